@@ -1,0 +1,420 @@
+"""Kimi K2 tokenizer: tiktoken BPE ranks + Kimi's special tokens, pre-tokenizer and chat format.
+
+Everything is read from local files (`tiktoken.model`, `tokenizer_config.json`); nothing here
+may download an encoding.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import codecs
+import json
+import os
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import tiktoken
+
+# Kimi K2's pre-tokenizer (tokenization_kimi.py). `&&` is character-class intersection: Han
+# characters are letters (\p{Lo}) but must never join a Latin-style word chunk, so they are cut
+# out of the letter classes and get a chunk of their own. Python's `re` cannot compile this
+# (no \p{..}, no `&&`); tiktoken's Rust regex engine can.
+KIMI_PAT_STR = "|".join(
+    [
+        r"""[\p{Han}]+""",
+        r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*"""
+        r"""[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
+        r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+"""
+        r"""[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
+        r"""\p{N}{1,3}""",
+        r""" ?[^\s\p{L}\p{N}]+[\r\n]*""",
+        r"""\s*[\r\n]+""",
+        r"""\s+(?!\S)""",
+        r"""\s+""",
+    ]
+)
+
+MODEL_FILE = "tiktoken.model"
+CONFIG_FILE = "tokenizer_config.json"
+
+DEFAULT_SYSTEM_PROMPT = "You are Kimi, an AI assistant created by Moonshot AI."
+
+# Kimi's special tokens relative to the first id after the ordinary ranks; every other slot in
+# the reserved block is "<|reserved_token_{i}|>". [UNK] and [PAD] take the last two slots.
+_NAMED_SPECIAL_OFFSETS = {
+    "[BOS]": 0,
+    "[EOS]": 1,
+    "<|im_end|>": 2,
+    "<|im_user|>": 3,
+    "<|im_assistant|>": 4,
+    "<|im_system|>": 10,
+    "<|im_middle|>": 17,
+}
+_MIN_RESERVED_SPECIAL = max(_NAMED_SPECIAL_OFFSETS.values()) + 3
+
+# Role -> (opening special token, role name written after it), as in Kimi's chat template.
+_ROLE_HEADERS = {
+    "system": ("<|im_system|>", "system"),
+    "user": ("<|im_user|>", "user"),
+    "assistant": ("<|im_assistant|>", "assistant"),
+    "tool": ("<|im_system|>", "tool"),
+}
+
+CHAT_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "{%- if loop.first and messages[0]['role'] != 'system' -%}"
+    "<|im_system|>system<|im_middle|>" + DEFAULT_SYSTEM_PROMPT + "<|im_end|>"
+    "{%- endif -%}"
+    "{%- if message['role'] == 'system' -%}<|im_system|>system<|im_middle|>"
+    "{%- elif message['role'] == 'user' -%}<|im_user|>user<|im_middle|>"
+    "{%- elif message['role'] == 'assistant' -%}<|im_assistant|>assistant<|im_middle|>"
+    "{%- elif message['role'] == 'tool' -%}<|im_system|>tool<|im_middle|>"
+    "{%- endif -%}"
+    "{%- if message['content'] is string -%}{{ message['content'] }}"
+    "{%- else -%}{%- for part in message['content'] -%}{{ part['text'] }}{%- endfor -%}"
+    "{%- endif -%}<|im_end|>"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}<|im_assistant|>assistant<|im_middle|>{%- endif -%}"
+)
+
+# Kimi feeds tiktoken at most this many characters at a time, and never a run of more than
+# MAX_NO_WHITESPACES_CHARS all-space or all-non-space characters: the regex engine gets very
+# slow on such runs. Splitting there changes tokens only for pathological inputs, and doing
+# it the same way keeps ids identical to Kimi's own tokenizer.
+TIKTOKEN_MAX_ENCODE_CHARS = 400_000
+MAX_NO_WHITESPACES_CHARS = 25_000
+
+
+class TokenizerError(ValueError):
+    """A tokenizer file or a chat request is malformed."""
+
+
+def _parse_ranks(path: Path) -> dict[bytes, int]:
+    """Reads a tiktoken.model (`base64 rank` per line, the format of load_tiktoken_bpe).
+
+    NOTE: tiktoken's load_tiktoken_bpe caches even local files in a temp dir keyed by path, so a
+    file rewritten in place (e.g. a retrained tokenizer) would load stale; it also cannot say
+    which line is bad. Parse it here instead.
+    """
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        raise TokenizerError(f"cannot read {path}: {e}") from e
+    ranks: dict[bytes, int] = {}
+    seen_ranks: dict[int, int] = {}
+    for lineno, line in enumerate(data.splitlines(), start=1):
+        if not line:
+            continue
+        fields = line.split()
+        try:
+            if len(fields) != 2:
+                raise ValueError("expected 'base64 rank'")
+            token = base64.b64decode(fields[0], validate=True)
+            rank = int(fields[1])
+            if not token or rank < 0:
+                raise ValueError("empty token or negative rank")
+        except (ValueError, binascii.Error) as e:
+            raise TokenizerError(f"{path}:{lineno}: malformed line {line[:80]!r}: {e}") from e
+        if token in ranks:
+            raise TokenizerError(f"{path}:{lineno}: token {token!r} listed twice")
+        if rank in seen_ranks:
+            raise TokenizerError(
+                f"{path}:{lineno}: rank {rank} already used on line {seen_ranks[rank]}"
+            )
+        ranks[token] = rank
+        seen_ranks[rank] = lineno
+    if not ranks:
+        raise TokenizerError(f"{path}: no tokens")
+    # NOTE: byte-level BPE must be able to fall back to single bytes, otherwise tiktoken panics
+    # on the first text containing a missing byte instead of raising.
+    missing = [b for b in range(256) if bytes([b]) not in ranks]
+    if missing:
+        raise TokenizerError(f"{path}: single-byte tokens missing for bytes {missing[:8]}...")
+    return ranks
+
+
+def _relative_specials(first_id: int, num_reserved_special: int = 256) -> dict[str, int]:
+    if num_reserved_special < _MIN_RESERVED_SPECIAL:
+        raise TokenizerError(
+            f"num_reserved_special must be at least {_MIN_RESERVED_SPECIAL}, "
+            f"got {num_reserved_special}"
+        )
+    names = {off: name for name, off in _NAMED_SPECIAL_OFFSETS.items()}
+    names[num_reserved_special - 2] = "[UNK]"
+    names[num_reserved_special - 1] = "[PAD]"
+    return {
+        names.get(i, f"<|reserved_token_{i}|>"): first_id + i for i in range(num_reserved_special)
+    }
+
+
+def _specials_from_config(path: Path) -> dict[str, int]:
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise TokenizerError(f"cannot read {path}: {e}") from e
+    decoder = config.get("added_tokens_decoder") if isinstance(config, dict) else None
+    if not isinstance(decoder, dict) or not decoder:
+        raise TokenizerError(f"{path}: no 'added_tokens_decoder' mapping")
+    specials: dict[str, int] = {}
+    for key, entry in decoder.items():
+        try:
+            token_id = int(key)
+            content = entry["content"]
+            if not isinstance(content, str) or not content or token_id < 0:
+                raise ValueError("bad content or id")
+        except (ValueError, TypeError, KeyError) as e:
+            raise TokenizerError(f"{path}: bad added_tokens_decoder entry {key!r}: {e}") from e
+        if content in specials:
+            raise TokenizerError(f"{path}: special token {content!r} listed twice")
+        specials[content] = token_id
+    return specials
+
+
+def _split_long_runs(text: str) -> Iterator[str]:
+    """Yields pieces of `text` as Kimi's tokenizer cuts them before handing them to tiktoken."""
+    for start in range(0, len(text), TIKTOKEN_MAX_ENCODE_CHARS):
+        piece = text[start : start + TIKTOKEN_MAX_ENCODE_CHARS]
+        if len(piece) <= MAX_NO_WHITESPACES_CHARS:
+            # no run can exceed the limit; skip the per-character scan
+            yield piece
+            continue
+        run_len = 0
+        run_is_space = piece[0].isspace()
+        cut = 0
+        for i, ch in enumerate(piece):
+            is_space = ch.isspace()
+            if is_space != run_is_space:
+                run_len = 1
+                run_is_space = is_space
+            else:
+                run_len += 1
+                if run_len > MAX_NO_WHITESPACES_CHARS:
+                    yield piece[cut:i]
+                    cut = i
+                    run_len = 1
+        yield piece[cut:]
+
+
+class Tokenizer:
+    """Kimi tokenizer over a tiktoken Encoding; special ids come from tokenizer_config.json."""
+
+    def __init__(
+        self,
+        mergeable_ranks: dict[bytes, int],
+        special_tokens: Mapping[str, int],
+        name: str = "kimi",
+        pat_str: str = KIMI_PAT_STR,
+    ) -> None:
+        ordinary_ids = set(mergeable_ranks.values())
+        clash = sorted(n for n, i in special_tokens.items() if i in ordinary_ids)
+        if clash:
+            raise TokenizerError(f"special tokens {clash[:4]} reuse ids of ordinary tokens")
+        if len(set(special_tokens.values())) != len(special_tokens):
+            raise TokenizerError("two special tokens share one id")
+        self.encoding = tiktoken.Encoding(
+            name=name,
+            pat_str=pat_str,
+            mergeable_ranks=mergeable_ranks,
+            special_tokens=dict(special_tokens),
+        )
+        self.special_tokens: dict[str, int] = dict(special_tokens)
+        self.vocab_size: int = self.encoding.max_token_value + 1
+        get = self.special_tokens.get
+        self.bos_id: int | None = get("[BOS]")
+        self.eos_id: int | None = get("[EOS]")
+        self.im_end_id: int | None = get("<|im_end|>")
+        self.im_user_id: int | None = get("<|im_user|>")
+        self.im_assistant_id: int | None = get("<|im_assistant|>")
+        self.im_system_id: int | None = get("<|im_system|>")
+        self.im_middle_id: int | None = get("<|im_middle|>")
+        self.pad_id: int | None = get("[PAD]")
+        self.stop_ids: frozenset[int] = frozenset(
+            i for i in (self.im_end_id, self.eos_id) if i is not None
+        )
+
+    @classmethod
+    def from_dir(cls, path: str | os.PathLike[str]) -> Tokenizer:
+        """Loads `tiktoken.model` and, when present, `tokenizer_config.json` from `path`.
+
+        Without the config, Kimi's special-token layout is assumed right after the ordinary ranks.
+        """
+        root = Path(path)
+        if not root.is_dir():
+            raise TokenizerError(f"tokenizer directory {root} does not exist")
+        model = root / MODEL_FILE
+        if not model.is_file():
+            raise TokenizerError(f"{model} not found")
+        ranks = _parse_ranks(model)
+        config = root / CONFIG_FILE
+        if config.exists():
+            specials = _specials_from_config(config)
+        else:
+            specials = _relative_specials(max(ranks.values()) + 1)
+        try:
+            return cls(ranks, specials, name=root.name or "kimi")
+        except TokenizerError as e:
+            raise TokenizerError(f"{root}: {e}") from e
+
+    def encode(self, text: str) -> list[int]:
+        """Encodes ordinary text: special-token strings inside `text` stay plain text."""
+        ids: list[int] = []
+        for piece in _split_long_runs(text):
+            ids.extend(self.encoding.encode_ordinary(piece))
+        return ids
+
+    def decode_bytes(self, ids: Sequence[int]) -> bytes:
+        try:
+            return self.encoding.decode_bytes(list(ids))
+        except (KeyError, OverflowError, TypeError) as e:
+            raise TokenizerError(f"cannot decode ids (vocab_size {self.vocab_size}): {e}") from e
+
+    def decode(self, ids: Sequence[int]) -> str:
+        # Python's decoder, not tiktoken's, so that a stream_decoder gives the same string.
+        return self.decode_bytes(ids).decode("utf-8", errors="replace")
+
+    def stream_decoder(self) -> IncrementalDecoder:
+        return IncrementalDecoder(self)
+
+    def special_id(self, name: str) -> int:
+        try:
+            return self.special_tokens[name]
+        except KeyError as e:
+            raise TokenizerError(f"tokenizer has no special token {name!r}") from e
+
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+    ) -> list[int]:
+        """Token ids of a conversation in Kimi's chat format.
+
+        Each message becomes `<|im_{role}|>{role}<|im_middle|>{content}<|im_end|>` ("tool" opens
+        with <|im_system|>); a default system message goes first when there is none, and
+        `<|im_assistant|>assistant<|im_middle|>` follows when `add_generation_prompt`.
+        """
+        turns = _validate_messages(messages)
+        if turns[0][0] != "system":
+            turns.insert(0, ("system", DEFAULT_SYSTEM_PROMPT))
+        im_middle = self.special_id("<|im_middle|>")
+        im_end = self.special_id("<|im_end|>")
+        ids: list[int] = []
+        for role, content in turns:
+            opener, role_name = _ROLE_HEADERS[role]
+            ids.append(self.special_id(opener))
+            ids.extend(self.encode(role_name))
+            ids.append(im_middle)
+            ids.extend(self.encode(content))
+            ids.append(im_end)
+        if add_generation_prompt:
+            ids.append(self.special_id("<|im_assistant|>"))
+            ids.extend(self.encode("assistant"))
+            ids.append(im_middle)
+        return ids
+
+
+def _validate_messages(messages: object) -> list[tuple[str, str]]:
+    """Checks the chat request shape; returns (role, content text) pairs."""
+    if not isinstance(messages, list) or not messages:
+        raise TokenizerError("messages must be a non-empty list")
+    turns: list[tuple[str, str]] = []
+    for i, msg in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(msg, dict):
+            raise TokenizerError(f"{where} must be a dict, got {type(msg).__name__}")
+        role = msg.get("role")
+        if not isinstance(role, str):
+            raise TokenizerError(f"{where}['role'] must be a string")
+        if role not in _ROLE_HEADERS:
+            raise TokenizerError(
+                f"{where}['role'] is {role!r}; expected one of {sorted(_ROLE_HEADERS)}"
+            )
+        if "content" not in msg:
+            raise TokenizerError(f"{where}['content'] is missing")
+        content = msg["content"]
+        if isinstance(content, str):
+            turns.append((role, content))
+            continue
+        if not isinstance(content, list):
+            raise TokenizerError(f"{where}['content'] must be a string or a list of text parts")
+        texts: list[str] = []
+        for j, part in enumerate(content):
+            pwhere = f"{where}['content'][{j}]"
+            if not isinstance(part, dict) or part.get("type") != "text":
+                raise TokenizerError(f"{pwhere} must be {{'type': 'text', 'text': str}}")
+            if not isinstance(part.get("text"), str):
+                raise TokenizerError(f"{pwhere}['text'] must be a string")
+            texts.append(part["text"])
+        turns.append((role, "".join(texts)))
+    return turns
+
+
+class IncrementalDecoder:
+    """Streams text from ids; bytes of a character split across tokens wait for the rest."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self._tokenizer = tokenizer
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def push(self, ids: Sequence[int]) -> str:
+        """Returns the text completed by `ids`; an unfinished UTF-8 sequence is held back."""
+        return self._utf8.decode(self._tokenizer.decode_bytes(ids), final=False)
+
+    def flush(self) -> str:
+        """Returns what is held back (as replacement characters) and resets the stream."""
+        text = self._utf8.decode(b"", final=True)
+        self._utf8.reset()
+        return text
+
+
+def write_tokenizer_files(
+    out_dir: str | os.PathLike[str],
+    mergeable_ranks: dict[bytes, int],
+    num_reserved_special: int = 256,
+    model_max_length: int = 131072,
+) -> None:
+    """Writes `tiktoken.model` and a Kimi-style `tokenizer_config.json` into `out_dir`.
+
+    Ranks must be 0..n-1; the special tokens take ids n..n+num_reserved_special-1 in Kimi's
+    relative layout, so a model's embedding rows line up the same way as Kimi's.
+    """
+    n = len(mergeable_ranks)
+    if sorted(mergeable_ranks.values()) != list(range(n)):
+        raise TokenizerError("mergeable_ranks must use each rank 0..n-1 exactly once")
+    specials = _relative_specials(n, num_reserved_special)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    lines = [
+        base64.b64encode(token) + b" " + str(rank).encode()
+        for token, rank in sorted(mergeable_ranks.items(), key=lambda kv: kv[1])
+    ]
+    (out / MODEL_FILE).write_bytes(b"\n".join(lines) + b"\n")
+    added = {
+        str(token_id): {
+            "content": name,
+            "lstrip": False,
+            "normalized": False,
+            "rstrip": False,
+            "single_word": False,
+            "special": True,
+        }
+        for name, token_id in sorted(specials.items(), key=lambda kv: kv[1])
+    }
+    config = {
+        "added_tokens_decoder": added,
+        "additional_special_tokens": [
+            "<|im_end|>",
+            "<|im_user|>",
+            "<|im_assistant|>",
+            "<|im_system|>",
+            "<|im_middle|>",
+        ],
+        "bos_token": "[BOS]",
+        "eos_token": "[EOS]",
+        "pad_token": "[PAD]",
+        "unk_token": "[UNK]",
+        "chat_template": CHAT_TEMPLATE,
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": model_max_length,
+        "tokenizer_class": "TikTokenTokenizer",
+    }
+    (out / CONFIG_FILE).write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
