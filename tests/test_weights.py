@@ -1,0 +1,316 @@
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from engine.config import ConfigError, ModelConfig
+from engine.tools.make_tiny import main as make_tiny_main
+from engine.tools.make_tiny import make_tiny, random_state_dict, save_checkpoint, tiny_config
+from engine.weights import WeightsError, checkpoint_index, load_target_weights
+from ops.quant import dequant_fp8_block, dequant_int4
+
+SEED = 7
+
+
+def _raw(model_dir: Path) -> dict[str, torch.Tensor]:
+    """Every stored tensor of a checkpoint, as written."""
+    out = {}
+    for name, path in checkpoint_index(model_dir).items():
+        with safe_open(path, framework="pt", device="cpu") as f:
+            out[name] = f.get_tensor(name)
+    return out
+
+
+def _load(model_dir: Path, **kw) -> dict[str, torch.Tensor]:
+    return load_target_weights(model_dir, ModelConfig.from_dir(model_dir), progress=False, **kw)
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("ckpts")
+    out = {
+        "single": make_tiny(root / "single", seed=SEED, dtype="fp32"),
+        "int4": make_tiny(root / "int4", seed=SEED, dtype="fp32", int4_experts=True, shards=2),
+        "fp8": make_tiny(root / "fp8", seed=SEED, dtype="fp32", fp8=True),
+    }
+    # The command line writes the sharded copy: same seed, so the same tensors.
+    make_tiny_main(["--out", str(root / "sharded"), "--seed", str(SEED), "--dtype", "fp32",
+                    "--shards", "3"])
+    out["sharded"] = root / "sharded"
+    return out
+
+
+@pytest.fixture(scope="module")
+def single_weights(ckpts: dict[str, Path]) -> dict[str, torch.Tensor]:
+    return _load(ckpts["single"])
+
+
+def _copy(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    return dst
+
+
+def _rewrite(src: Path, dst: Path, tensors: dict[str, torch.Tensor]) -> Path:
+    """`dst` = `src`'s config with `tensors` as its single model.safetensors."""
+    dst.mkdir()
+    shutil.copy(src / "config.json", dst / "config.json")
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(dst / "model.safetensors"))
+    return dst
+
+
+# ---- loading -----------------------------------------------------------------------------------
+
+
+def test_single_file_matches_written_weights(ckpts, single_weights) -> None:
+    cfg = ModelConfig.from_dir(ckpts["single"])
+    shapes = cfg.tensor_shapes()
+    assert set(single_weights) == set(shapes)
+    ref = random_state_dict(cfg, SEED)
+    for name, t in single_weights.items():
+        assert t.shape == shapes[name] and t.dtype == torch.float32, name
+        assert torch.equal(t, ref[name]), name
+    bias = single_weights["model.layers.1.mlp.gate.e_score_correction_bias"]
+    assert bias.abs().min() > 0
+
+
+def test_sharded_equals_single(ckpts, single_weights) -> None:
+    index = json.loads((ckpts["sharded"] / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) == 3
+    assert not (ckpts["sharded"] / "model.safetensors").exists()
+    sharded = _load(ckpts["sharded"])
+    assert sharded.keys() == single_weights.keys()
+    for name, t in sharded.items():
+        assert torch.equal(t, single_weights[name]), name
+
+
+def test_dtype_conversion_keeps_router_bias_fp32(ckpts, single_weights) -> None:
+    w = _load(ckpts["single"], dtype=torch.bfloat16)
+    assert w["model.layers.1.mlp.gate.e_score_correction_bias"].dtype == torch.float32
+    assert w["model.layers.1.mlp.gate.weight"].dtype == torch.bfloat16
+    assert torch.equal(w["lm_head.weight"], single_weights["lm_head.weight"].bfloat16())
+
+
+def test_int4_experts_load_as_dequantized_packs(ckpts, single_weights) -> None:
+    d = ckpts["int4"]
+    cfg = ModelConfig.from_dir(d)
+    assert cfg.quantization is not None and cfg.quantization.method == "int4"
+    raw = _raw(d)
+    w = _load(d)
+    assert w.keys() == single_weights.keys()
+    n_experts = 0
+    for name, t in w.items():
+        if ".mlp.experts." in name:
+            n_experts += 1
+            assert name not in raw and raw[name + "_packed"].dtype == torch.int32
+            want = dequant_int4(raw[name + "_packed"], raw[name + "_scale"],
+                                raw[name + "_shape"], group_size=32)
+            assert torch.equal(t, want), name
+            # and close to the unquantized weights the same seed gave
+            step = raw[name + "_scale"].float().amax()
+            assert (t - single_weights[name]).abs().max() <= 0.51 * step, name
+        else:
+            assert torch.equal(t, single_weights[name]), name
+    assert n_experts == 3 * cfg.n_routed_experts
+
+
+def test_fp8_linears_load_as_dequantized_blocks(ckpts, single_weights) -> None:
+    d = ckpts["fp8"]
+    raw = _raw(d)
+    w = _load(d)
+    assert w.keys() == single_weights.keys()
+    fp8_names = [n for n in w if n + "_scale_inv" in raw]
+    assert "model.layers.0.self_attn.kv_b_proj.weight" in fp8_names
+    assert "model.layers.1.mlp.experts.3.down_proj.weight" in fp8_names
+    for name, t in w.items():
+        if name in fp8_names:
+            assert raw[name].dtype == torch.float8_e4m3fn
+            assert torch.equal(t, dequant_fp8_block(raw[name], raw[name + "_scale_inv"])), name
+        else:  # embedding, norms, router, lm_head stay as written
+            assert torch.equal(t, single_weights[name]), name
+
+
+def test_kimi_k25_wrapper_skips_vision_and_extra_tensors(ckpts, single_weights, tmp_path) -> None:
+    text_cfg = json.loads((ckpts["single"] / "config.json").read_text())
+    n_layers = text_cfg["num_hidden_layers"]
+    tensors = {"language_model." + k: v for k, v in _raw(ckpts["single"]).items()}
+    extra = {
+        "vision_tower.x.weight": torch.ones(3, 3),
+        "mm_projector.proj.weight": torch.ones(2, 2),
+        "language_model.model.layers.0.self_attn.rotary_emb.inv_freq": torch.ones(4),
+        # an MTP layer as DeepSeek-V3 ships it, and a dtype we would refuse were it used
+        f"language_model.model.layers.{n_layers}.eh_proj.weight": torch.ones(2, 4),
+        "vision_tower.pos.weight": torch.ones(2, dtype=torch.int16),
+    }
+    cfg_dict = {"model_type": "kimi_k25", "architectures": ["KimiK25ForConditionalGeneration"],
+                "text_config": text_cfg, "vision_config": {"hidden_size": 3}}
+    d = save_checkpoint(tensors | extra, cfg_dict, tmp_path / "k25", shards=2,
+                        dtype=torch.float32)
+    cfg = ModelConfig.from_dir(d)
+    assert cfg.weight_prefix == "language_model."
+    w = load_target_weights(d, cfg, progress=False)
+    assert w.keys() == single_weights.keys()
+    for name, t in w.items():
+        assert torch.equal(t, single_weights[name]), name
+
+
+def test_shard_fn_picks_pieces(ckpts, single_weights) -> None:
+    seen: list[str] = []
+
+    def rows_0_2(name: str, src) -> torch.Tensor:
+        seen.append(name)
+        return src[0:2]
+
+    for d in (ckpts["single"], ckpts["int4"]):
+        seen.clear()
+        w = _load(d, shard_fn=rows_0_2)
+        assert sorted(seen) == sorted(single_weights)  # canonical names, no prefix
+        assert torch.equal(w["lm_head.weight"], single_weights["lm_head.weight"][0:2])
+        full = _load(d)
+        name = "model.layers.1.mlp.experts.2.up_proj.weight"
+        assert torch.equal(w[name], full[name][0:2])
+
+
+def test_progress_bar_on_stderr(ckpts, capsys) -> None:
+    load_target_weights(ckpts["single"], ModelConfig.from_dir(ckpts["single"]), progress=True)
+    assert "loading weights" in capsys.readouterr().err
+
+
+def test_transformers_loads_checkpoint_unchanged(ckpts, single_weights) -> None:
+    transformers = pytest.importorskip("transformers")
+    model = transformers.DeepseekV3ForCausalLM.from_pretrained(
+        ckpts["single"], torch_dtype=torch.float32)
+    hf = model.state_dict()
+    cfg = ModelConfig.from_dir(ckpts["single"])
+    inter = cfg.moe_intermediate_size
+    used: set[str] = set()
+    for name, t in single_weights.items():
+        parts = name.split(".")
+        if ".mlp.experts." in name:  # transformers fuses experts: [E, 2I, H] and [E, H, I]
+            layer, e, proj = parts[2], int(parts[5]), parts[6]
+            base = f"model.layers.{layer}.mlp.experts."
+            if proj == "down_proj":
+                key, got = base + "down_proj", hf[base + "down_proj"][e]
+            else:
+                key = base + "gate_up_proj"
+                half = slice(0, inter) if proj == "gate_proj" else slice(inter, 2 * inter)
+                got = hf[key][e][half]
+        else:
+            key, got = name, hf[name]
+        used.add(key)
+        assert torch.equal(got, t), name
+    assert used == set(hf)
+
+
+# ---- errors ------------------------------------------------------------------------------------
+
+
+def test_missing_shard_names_file(ckpts, tmp_path) -> None:
+    d = _copy(ckpts["sharded"], tmp_path / "c")
+    (d / "model-00002-of-00003.safetensors").unlink()
+    with pytest.raises(WeightsError, match=r"model-00002-of-00003\.safetensors.*does not exist"):
+        _load(d)
+
+
+@pytest.mark.parametrize("which", ["sharded", "single"])
+def test_truncated_file_names_file(ckpts, tmp_path, which) -> None:
+    d = _copy(ckpts[which], tmp_path / "c")
+    fname = "model-00003-of-00003.safetensors" if which == "sharded" else "model.safetensors"
+    data = (d / fname).read_bytes()
+    (d / fname).write_bytes(data[: len(data) // 2])
+    with pytest.raises(WeightsError, match=rf"{fname}: cannot read safetensors file"):
+        _load(d)
+
+
+def test_garbage_index_names_file(ckpts, tmp_path) -> None:
+    d = _copy(ckpts["sharded"], tmp_path / "c")
+    (d / "model.safetensors.index.json").write_text("{not json")
+    with pytest.raises(WeightsError, match=r"model\.safetensors\.index\.json"):
+        _load(d)
+
+
+def test_missing_tensor_names_tensor(ckpts, tmp_path) -> None:
+    d = _copy(ckpts["sharded"], tmp_path / "c")
+    idx_path = d / "model.safetensors.index.json"
+    idx = json.loads(idx_path.read_text())
+    del idx["weight_map"]["model.layers.1.self_attn.o_proj.weight"]
+    idx_path.write_text(json.dumps(idx))
+    with pytest.raises(WeightsError, match=r"'model\.layers\.1\.self_attn\.o_proj\.weight'"):
+        _load(d)
+
+
+def test_missing_int4_scale_names_tensor(ckpts, tmp_path) -> None:
+    raw = _raw(ckpts["int4"])
+    del raw["model.layers.1.mlp.experts.0.gate_proj.weight_scale"]
+    d = _rewrite(ckpts["int4"], tmp_path / "c", raw)
+    with pytest.raises(WeightsError, match=r"experts\.0\.gate_proj\.weight_scale"):
+        _load(d)
+
+
+def test_wrong_shape_names_tensor_and_shapes(ckpts, tmp_path) -> None:
+    raw = _raw(ckpts["single"])
+    name = "model.layers.0.self_attn.kv_b_proj.weight"
+    rows, cols = raw[name].shape
+    raw[name] = torch.zeros(rows + 1, cols)
+    d = _rewrite(ckpts["single"], tmp_path / "c", raw)
+    with pytest.raises(WeightsError) as ei:
+        _load(d)
+    msg = str(ei.value)
+    assert name in msg and f"({rows + 1}, {cols})" in msg and f"({rows}, {cols})" in msg
+
+
+def test_wrong_int4_logical_shape_names_tensor(ckpts, tmp_path) -> None:
+    raw = _raw(ckpts["int4"])
+    name = "model.layers.1.mlp.experts.1.down_proj.weight"
+    raw[name + "_shape"] = raw[name + "_shape"] * 2
+    d = _rewrite(ckpts["int4"], tmp_path / "c", raw)
+    with pytest.raises(WeightsError, match=rf"{name}.*\(128, 64\).*\(64, 32\)"):
+        _load(d)
+
+
+def test_unsupported_dtype_names_tensor(ckpts, tmp_path) -> None:
+    raw = _raw(ckpts["single"])
+    name = "model.layers.0.mlp.up_proj.weight"
+    raw[name] = raw[name].to(torch.int16)
+    d = _rewrite(ckpts["single"], tmp_path / "c", raw)
+    with pytest.raises(WeightsError, match=rf"{name}.*unsupported dtype I16"):
+        _load(d)
+
+
+def test_fp8_without_scale_inv_names_tensor(ckpts, tmp_path) -> None:
+    raw = _raw(ckpts["single"])
+    name = "model.layers.0.self_attn.o_proj.weight"
+    raw[name] = raw[name].to(torch.float8_e4m3fn)
+    d = _rewrite(ckpts["single"], tmp_path / "c", raw)
+    with pytest.raises(WeightsError, match=rf"{name}.*F8_E4M3.*weight_scale_inv"):
+        _load(d)
+
+
+def test_unsupported_quant_method_names_config(ckpts, tmp_path) -> None:
+    d = tmp_path / "c"
+    d.mkdir()
+    cfg = json.loads((ckpts["single"] / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "gptq", "bits": 4}
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ConfigError, match=r"config\.json.*unsupported quantization.*'gptq'"):
+        ModelConfig.from_dir(d)
+
+
+def test_no_weights_names_directory(ckpts, tmp_path) -> None:
+    d = tmp_path / "empty"
+    d.mkdir()
+    shutil.copy(ckpts["single"] / "config.json", d / "config.json")
+    with pytest.raises(WeightsError, match=rf"{d}: no model\.safetensors"):
+        _load(d)
+
+
+def test_tiny_config_is_valid_with_groups() -> None:
+    cfg = ModelConfig.from_dict(tiny_config(experts=8, n_group=4, topk_group=2, layers=3))
+    assert cfg.n_group == 4 and cfg.is_moe(2) and not cfg.is_moe(0)
+    assert cfg.rope_scaling is not None and cfg.rope_scaling["type"] == "yarn"
+    assert cfg.bos_token_id == cfg.vocab_size - 256 and cfg.eos_token_id == cfg.bos_token_id + 1
