@@ -1,0 +1,100 @@
+"""MLA attention: the naive form for prefill, and the absorbed (latent, MQA-like) form for decode
+and tree verification, computed as a prefix pass over the paged cache plus a tree pass over the
+tree's own latents, merged by log-sum-exp.
+
+The absorbed form sees one key head of width `R + P` (`c_kv` and the shared roped `k_pe`) and one
+value head of width `R` (`c_kv`); queries arrive already absorbed (`q_lat = W_UK^T q_nope`).
+All functions are fixed-shape and graph-safe.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+NEG_INF = float("-inf")
+
+
+def mla_naive(
+    q_nope: Tensor, q_pe: Tensor, k_nope: Tensor, k_pe: Tensor, v: Tensor, scale: float,
+    causal: bool = True,
+) -> Tensor:
+    """Plain multi-head attention over expanded keys (prefill).
+
+    `q_nope [B, T, H, Dn]`, `q_pe [B, T, H, P]`, `k_nope [B, T, H, Dn]`, `k_pe [B, T, P]` (shared
+    by all heads), `v [B, T, H, Dv]` -> `[B, T, H, Dv]`.
+    """
+    s = torch.einsum("bqhd,bkhd->bhqk", q_nope.float(), k_nope.float())
+    s = s + torch.einsum("bqhd,bkd->bhqk", q_pe.float(), k_pe.float())
+    s = s * scale
+    if causal:
+        T = s.shape[-1]
+        mask = torch.ones(T, T, dtype=torch.bool, device=s.device).tril()
+        s = s.masked_fill(~mask, NEG_INF)
+    p = torch.softmax(s, dim=-1)
+    return torch.einsum("bhqk,bkhd->bqhd", p, v.float()).to(v.dtype)
+
+
+def _masked_softmax_state(s: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
+    """Probabilities and LSE of scores `s [..., K]` where `mask` is True; rows with no visible key
+    get zero probabilities and LSE -inf (so a merge ignores them)."""
+    s = s.masked_fill(~mask, NEG_INF)
+    lse = torch.logsumexp(s, dim=-1)
+    # NOTE: an empty row (zero-length context) has lse = -inf; subtracting it would give NaN.
+    safe = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
+    p = torch.exp(s - safe.unsqueeze(-1))
+    return p, lse
+
+
+def prefix_attention(
+    q_lat: Tensor, q_pe: Tensor, kv_cache: Tensor, slots: Tensor, ctx_len: Tensor, kv_lora_rank: int,
+    scale: float,
+) -> tuple[Tensor, Tensor]:
+    """Every query against the committed prefix of its request, non-causal.
+
+    `q_lat [bs, Q, H, R]`, `q_pe [bs, Q, H, P]`, `kv_cache [num_slots, R + P]` (one layer),
+    `slots [bs, C]` (cache slot of context position c, any value past `ctx_len`), `ctx_len [bs]`.
+    Returns the latent output `[bs, Q, H, R]` (fp32) and LSE `[bs, Q, H]` (natural log).
+    """
+    kv = kv_cache[slots].float()  # [bs, C, R + P]
+    ckv, kpe = kv[..., :kv_lora_rank], kv[..., kv_lora_rank:]
+    s = torch.einsum("bqhr,bcr->bqhc", q_lat.float(), ckv)
+    s = (s + torch.einsum("bqhp,bcp->bqhc", q_pe.float(), kpe)) * scale
+    pos = torch.arange(slots.shape[1], device=slots.device)
+    mask = (pos[None, :] < ctx_len[:, None])[:, None, None, :]
+    p, lse = _masked_softmax_state(s, mask)
+    return torch.einsum("bqhc,bcr->bqhr", p, ckv), lse
+
+
+def tree_attention(
+    q_lat: Tensor, q_pe: Tensor, tree_kv: Tensor, visible: Tensor, kv_lora_rank: int, scale: float,
+) -> tuple[Tensor, Tensor]:
+    """Every tree query against the tree's own latents under the ancestor mask.
+
+    `tree_kv [bs, Q, R + P]`, `visible [bs, Q, Q]` (query i sees key j). Returns `[bs, Q, H, R]`
+    and LSE `[bs, Q, H]`. Every row sees at least itself, so its LSE is finite.
+    """
+    kv = tree_kv.float()
+    ckv, kpe = kv[..., :kv_lora_rank], kv[..., kv_lora_rank:]
+    s = torch.einsum("bqhr,bkr->bqhk", q_lat.float(), ckv)
+    s = (s + torch.einsum("bqhp,bkp->bqhk", q_pe.float(), kpe)) * scale
+    p, lse = _masked_softmax_state(s, visible[:, :, None, :])
+    return torch.einsum("bqhk,bkr->bqhr", p, ckv), lse
+
+
+def merge_states(o1: Tensor, lse1: Tensor, o2: Tensor, lse2: Tensor) -> Tensor:
+    """Combine two partial softmax attentions over disjoint key sets (natural-log LSE)."""
+    lse = torch.logaddexp(lse1, lse2)
+    w1 = torch.exp(lse1 - lse).unsqueeze(-1)
+    w2 = torch.exp(lse2 - lse).unsqueeze(-1)
+    return o1 * w1 + o2 * w2
+
+
+def absorbed_attention(
+    q_lat: Tensor, q_pe: Tensor, kv_cache: Tensor, slots: Tensor, ctx_len: Tensor,
+    tree_kv: Tensor, visible: Tensor, kv_lora_rank: int, scale: float,
+) -> Tensor:
+    """Prefix pass + tree pass + merge: the verify/decode attention in latent space `[bs, Q, H, R]`."""
+    o1, l1 = prefix_attention(q_lat, q_pe, kv_cache, slots, ctx_len, kv_lora_rank, scale)
+    o2, l2 = tree_attention(q_lat, q_pe, tree_kv, visible, kv_lora_rank, scale)
+    return merge_states(o1, l1, o2, l2)
