@@ -1,0 +1,183 @@
+"""Offline API: `LLM(model, draft).generate(prompts, SamplingParams(...))`."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from engine.config import ModelConfig, SamplingParams
+from engine.kv_cache import KVPool, pages_needed
+from engine.models.dflash import DFlashDrafter
+from engine.models.kimi import KimiForCausalLM
+from engine.request import Request
+from engine.scheduler import Scheduler
+from engine.spec import Models, StepShape
+from engine.tokenizer import Tokenizer
+from graphs.runner import PhaseTimer, StepGraphRunner
+
+REPO = Path(__file__).resolve().parent.parent
+DEFAULT_MODEL = REPO / "models" / "kimi-mini"
+DEFAULT_DRAFT = REPO / "models" / "kimi-mini-dflash"
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+          "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+
+Prompt = str | Sequence[int] | dict[str, Any]
+
+
+@dataclass
+class GenerationOutput:
+    index: int
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+    num_steps: int
+    accept_lengths: list[int] = field(default_factory=list)
+
+
+@dataclass
+class EngineConfig:
+    mode: str = "tree"
+    budget: int = 16
+    device: str = "cpu"
+    dtype: str = "float32"
+    max_batch_size: int = 8
+    page_size: int = 16
+    max_model_len: int | None = None
+    kv_pages: int | None = None
+    use_graphs: bool | None = None
+
+
+class LLM:
+    def __init__(self, model: str | Path | None = None, draft: str | Path | None = None,
+                 *, progress: bool = True, **engine: Any):
+        self.config = cfg = EngineConfig(**engine)
+        if cfg.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {cfg.dtype!r}")
+        if cfg.max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be >= 1, got {cfg.max_batch_size}")
+        if model is None:
+            model, draft = DEFAULT_MODEL, (draft or DEFAULT_DRAFT)
+        self.model_dir = Path(model)
+        if not (self.model_dir / "config.json").is_file():
+            raise FileNotFoundError(
+                f"{self.model_dir}: no model here (config.json missing). Pass --model DIR, or "
+                f"write a small random one with `python -m engine.tools.make_tiny --out DIR`.")
+        device, dtype = torch.device(cfg.device), DTYPES[cfg.dtype]
+        self.tokenizer = (Tokenizer.from_dir(self.model_dir)
+                          if (self.model_dir / "tiktoken.model").is_file() else None)
+        target = KimiForCausalLM.from_dir(self.model_dir, device, dtype, progress=progress)
+        drafter = None
+        if cfg.mode != "ar":
+            if draft is None:
+                raise ValueError(f"mode {cfg.mode!r} needs a drafter (--draft DIR)")
+            drafter = DFlashDrafter.from_dir(draft, target.cfg.hidden_size, device, dtype)
+        self.models = Models(target, drafter)
+        mc: ModelConfig = target.cfg
+        block = drafter.c.block_size if drafter else 2
+        shape = StepShape(cfg.mode, cfg.budget, block, sample=False)
+        self.max_model_len = cfg.max_model_len or mc.max_position_embeddings
+        max_pages = pages_needed(self.max_model_len + shape.max_emit, cfg.page_size)
+        num_pages = cfg.kv_pages or (1 + cfg.max_batch_size * max_pages)
+        self.pool = KVPool.allocate(
+            page_size=cfg.page_size, num_pages=num_pages, target_layers=mc.num_hidden_layers,
+            target_dim=mc.kv_cache_dim, draft_layers=drafter.c.num_hidden_layers if drafter else 0,
+            draft_dim=drafter.c.kv_dim if drafter else 0, dtype=dtype, device=device)
+        self.timer = PhaseTimer()
+        self.runner = StepGraphRunner(self.models, self.pool, shape,
+                                      max_batch_size=cfg.max_batch_size, max_pages=max_pages,
+                                      use_graphs=cfg.use_graphs, timer=self.timer)
+        self.runner.capture(progress=progress)
+        stop_ids = self.tokenizer.stop_ids if self.tokenizer else frozenset(
+            [mc.eos_token_id] if mc.eos_token_id is not None else [])
+        self.scheduler = Scheduler(
+            self.models, self.pool, self.runner, max_batch_size=cfg.max_batch_size,
+            max_model_len=self.max_model_len, stop_ids=stop_ids,
+            detok=self.tokenizer.decode if self.tokenizer else None)
+        self.stats: dict[str, Any] = {}
+        self._next_id = 0
+
+    # ---- prompts -----------------------------------------------------------------------------
+
+    def encode_prompt(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return list(prompt["prompt_token_ids"])
+            if "messages" in prompt:
+                return self._tok().apply_chat_template(prompt["messages"])
+            if "prompt" in prompt:
+                return self._tok().encode(prompt["prompt"])
+            raise ValueError("a prompt dict needs 'prompt', 'prompt_token_ids' or 'messages'")
+        if isinstance(prompt, str):
+            return self._tok().encode(prompt)
+        return [int(t) for t in prompt]
+
+    def _tok(self) -> Tokenizer:
+        if self.tokenizer is None:
+            raise ValueError(f"{self.model_dir} has no tokenizer (tiktoken.model); pass token ids")
+        return self.tokenizer
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids) if self.tokenizer else ""
+
+    def make_request(self, prompt_ids: list[int], params: SamplingParams) -> Request:
+        req = Request(self._next_id, list(prompt_ids), params)
+        self._next_id += 1
+        return req
+
+    # ---- generation --------------------------------------------------------------------------
+
+    def generate(self, prompts: Sequence[Prompt],
+                 params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 progress: bool = False) -> list[GenerationOutput]:
+        from tqdm import tqdm
+
+        if params is None or isinstance(params, SamplingParams):
+            params = [params or SamplingParams()] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
+        reqs = [self.make_request(self.encode_prompt(p), sp) for p, sp in zip(prompts, params)]
+        for i, r in enumerate(reqs):
+            try:
+                self.scheduler.check(r)
+            except ValueError as e:
+                raise ValueError(f"prompt {i}: {e}") from e
+        for r in reqs:
+            self.scheduler.add(r)
+        self.timer.totals.clear()
+        t0 = time.perf_counter()
+        bar = tqdm(total=len(reqs), desc="generating", unit="prompt", disable=not progress)
+        while self.scheduler.has_work:
+            t_step = time.perf_counter()
+            events = self.scheduler.step()
+            bar.update(sum(1 for e in events if e.finished))
+            self.timer.totals["engine"] += time.perf_counter() - t_step
+        bar.close()
+        elapsed = time.perf_counter() - t0
+        outs = [self._output(i, r) for i, r in enumerate(reqs)]
+        n_tok = sum(len(o.token_ids) for o in outs)
+        acc = [a for r in reqs for a in r.accept_lengths]
+        phases = dict(self.timer.totals)
+        engine_t = phases.pop("engine", elapsed)
+        phases["prefill+sched"] = max(engine_t - sum(phases.values()), 0.0)
+        self.stats = {
+            "prompts": len(reqs), "tokens": n_tok, "seconds": elapsed,
+            "tokens_per_s": n_tok / elapsed if elapsed else 0.0,
+            "steps": sum(r.num_steps for r in reqs),
+            "mean_accept_len": sum(acc) / len(acc) if acc else 0.0,
+            "phase_seconds": phases, "preemptions": self.scheduler.num_preemptions,
+        }
+        return outs
+
+    def _output(self, i: int, r: Request) -> GenerationOutput:
+        text = self.decode(r.output_ids)
+        if r.text_end is not None:
+            text = text[: r.text_end]
+        return GenerationOutput(i, r.prompt_ids, list(r.output_ids), text, r.finish_reason or "",
+                                r.num_steps, list(r.accept_lengths))

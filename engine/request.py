@@ -1,0 +1,46 @@
+"""Per-request state, kept on the host (no torch tensors besides the coin generator)."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.config import SamplingParams
+
+
+@dataclass
+class Request:
+    rid: int
+    prompt_ids: list[int]
+    params: SamplingParams
+    output_ids: list[int] = field(default_factory=list)
+    pages: list[int] = field(default_factory=list)
+    cache_len: int = 0  # tokens whose KV is committed in the cache
+    num_steps: int = 0
+    accept_lengths: list[int] = field(default_factory=list)  # tokens emitted per step
+    finish_reason: str | None = None
+    text_end: int | None = None  # where a stop string cut the text, if one did
+    generator: torch.Generator = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        # NOTE: one generator per request, so a seeded request draws the same coins whatever
+        # else shares its batch.
+        seed = self.params.seed if self.params.seed is not None else random.getrandbits(63)
+        self.generator = torch.Generator().manual_seed(seed)
+
+    @property
+    def anchor(self) -> int:
+        """The last emitted token: the root of the next tree, not yet in the cache."""
+        return self.output_ids[-1]
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def coins(self, n: int) -> torch.Tensor:
+        """`n` uniforms in [0, 1) from this request's own stream (none drawn when greedy)."""
+        if self.params.greedy:
+            return torch.zeros(n)
+        return torch.rand(n, generator=self.generator)

@@ -1,0 +1,213 @@
+"""Continuous batching of speculative steps.
+
+Each `step()` admits waiting requests (prefill, first token), makes sure every running request
+owns pages for what the next step may write (preempting the newest when the pool runs dry),
+runs one spec step for the whole running batch, and applies the emitted tokens with stop checks
+on the host. Finished requests leave at once and free their pages.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from engine.kv_cache import BlockAllocator, KVPool, OutOfPages, pages_needed
+from engine.request import Request
+from engine.spec import Models, slot_of
+from graphs.runner import StepGraphRunner
+from ops.sampling import sample_from_probs, target_probs
+
+
+class RequestRejected(ValueError):
+    """A request that can never run (too long for the context or the KV pool)."""
+
+
+@dataclass
+class StepEvent:
+    """What one request got from one engine step: new tokens and, when it ended, why."""
+
+    req: Request
+    new_ids: list[int]
+    finished: bool
+
+
+class Scheduler:
+    def __init__(self, models: Models, pool: KVPool, runner: StepGraphRunner, *,
+                 max_batch_size: int, max_model_len: int, stop_ids: frozenset[int] = frozenset(),
+                 detok: Callable[[list[int]], str] | None = None):
+        self.models, self.pool, self.runner = models, pool, runner
+        self.alloc = BlockAllocator(pool.num_pages, reserved=1)
+        self.max_batch_size = max_batch_size
+        self.max_model_len = max_model_len
+        self.stop_ids = stop_ids
+        self.detok = detok
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+        # The most a step writes past cache_len: the root plus every accepted node.
+        self.step_span = runner.shape.max_emit
+
+    # ---- admission -------------------------------------------------------------------------------
+
+    def check(self, req: Request) -> None:
+        n = len(req.prompt_ids)
+        if n == 0:
+            raise RequestRejected("the prompt is empty")
+        if n + 1 > self.max_model_len:
+            raise RequestRejected(f"the prompt has {n} tokens; the context limit is "
+                                  f"{self.max_model_len} (prompt plus at least one new token)")
+        need = pages_needed(min(n + req.params.max_new_tokens, self.max_model_len)
+                            + self.step_span, self.pool.page_size)
+        if need > self.alloc.capacity:
+            raise RequestRejected(f"the request needs {need} KV pages, the pool has "
+                                  f"{self.alloc.capacity}")
+        vocab = self.models.target.cfg.vocab_size
+        bad = [t for t in req.prompt_ids if not 0 <= t < vocab]
+        if bad:
+            raise RequestRejected(f"prompt token id {bad[0]} is outside the vocabulary "
+                                  f"[0, {vocab})")
+
+    def add(self, req: Request) -> None:
+        self.check(req)
+        self.waiting.append(req)
+
+    def abort(self, req: Request) -> None:
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        self._release(req)
+        req.finish_reason = req.finish_reason or "abort"
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def _release(self, req: Request) -> None:
+        if req.pages:
+            self.alloc.free(req.pages)
+            req.pages = []
+        req.cache_len = 0
+
+    def _grow(self, req: Request, num_tokens: int) -> None:
+        extra = pages_needed(num_tokens, self.pool.page_size) - len(req.pages)
+        if extra > 0:
+            req.pages += self.alloc.alloc(extra)
+
+    # ---- prefill ---------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def prefill(self, req: Request) -> list[int]:
+        """Fill the caches for the request's sequence and return its new tokens (the first
+        sampled token for a fresh request, nothing for a recomputed one)."""
+        fresh = not req.output_ids
+        seq = req.prompt_ids + req.output_ids
+        ctx = seq if fresh else seq[:-1]
+        T = len(ctx)
+        self._grow(req, T + self.step_span)
+        dev = self.pool.target.device
+        ids = torch.tensor(ctx, device=dev)[None]
+        rows: list[torch.Tensor] = []
+        target, drafter = self.models.target, self.models.drafter
+        logits, aux = target(ids, self.models.aux_layers, sparse_moe=True,
+                             logits_rows=torch.tensor([[T - 1]], device=dev),
+                             cache_rows_out=rows)
+        pt = torch.tensor(req.pages, device=dev)[None]
+        pos = torch.arange(T, device=dev)[None]
+        slots = slot_of(pt, pos, self.pool.page_size)[0]
+        self.pool.target[:, slots] = torch.stack([r[0] for r in rows]).to(self.pool.target.dtype)
+        if drafter is not None:
+            kv = drafter.context_kv(aux[0], pos[0])
+            self.pool.draft[:, slots] = kv.to(self.pool.draft.dtype)
+        req.cache_len = T
+        if not fresh:
+            return []
+        p = req.params
+        if p.greedy:
+            return [int(logits[0, -1].argmax())]
+        probs = target_probs(logits[:, -1], torch.tensor([float(p.temperature)], device=dev),
+                             torch.tensor([max(p.top_k, 0)], device=dev),
+                             torch.tensor([float(p.top_p)], device=dev))
+        return [int(sample_from_probs(probs, req.coins(1).to(dev))[0])]
+
+    # ---- host-side token handling ------------------------------------------------------------
+
+    def _apply(self, req: Request, tokens: list[int]) -> list[int]:
+        """Append `tokens` with stop checks; returns the tokens actually kept."""
+        p = req.params
+        kept = []
+        for t in tokens:
+            if not p.ignore_eos and t in self.stop_ids:
+                req.finish_reason = "stop"
+                break
+            req.output_ids.append(t)
+            kept.append(t)
+            if len(req.output_ids) >= p.max_new_tokens or \
+                    len(req.prompt_ids) + len(req.output_ids) >= self.max_model_len:
+                req.finish_reason = "length"
+                break
+        if p.stop and self.detok is not None and kept:
+            text = self.detok(req.output_ids)
+            cut = [i for i in (text.find(s) for s in p.stop) if i >= 0]
+            if cut:
+                req.text_end = min(cut)
+                req.finish_reason = "stop"
+        return kept
+
+    # ---- one engine step -----------------------------------------------------------------------
+
+    def step(self) -> list[StepEvent]:
+        events: list[StepEvent] = []
+        # 1. admit while there is room in the batch and the pool
+        while self.waiting and len(self.running) < self.max_batch_size:
+            req = self.waiting[0]
+            seq_len = len(req.prompt_ids) + len(req.output_ids)
+            if pages_needed(seq_len + self.step_span, self.pool.page_size) > self.alloc.num_free:
+                break
+            self.waiting.popleft()
+            new = self.prefill(req)
+            kept = self._apply(req, new)
+            if req.finished:
+                self._release(req)
+                events.append(StepEvent(req, kept, True))
+                continue
+            self.running.append(req)
+            if kept:
+                events.append(StepEvent(req, kept, False))
+        if not self.running:
+            return events
+        # 2. pages for everything the step may write; preempt the newest when short
+        i = 0
+        while i < len(self.running):
+            req = self.running[i]
+            try:
+                self._grow(req, req.cache_len + self.step_span)
+                i += 1
+            except OutOfPages:
+                victim = self.running.pop()
+                self._release(victim)
+                self.waiting.appendleft(victim)
+                self.num_preemptions += 1
+                if victim is req:
+                    continue
+        if not self.running:
+            return events
+        # 3. the step
+        emitted, accepted = self.runner.step(self.running)
+        # 4. apply
+        still = []
+        for req, toks, acc in zip(self.running, emitted, accepted):
+            req.cache_len += acc + 1
+            req.num_steps += 1
+            req.accept_lengths.append(acc + 1)
+            kept = self._apply(req, toks)
+            events.append(StepEvent(req, kept, req.finished))
+            if req.finished:
+                self._release(req)
+            else:
+                still.append(req)
+        self.running = still
+        return events

@@ -1,0 +1,216 @@
+"""The speculative step: draft -> build -> verify -> decide -> commit, as one function over static
+buffers. Every shape is fixed by `(bs, N)` and the page-table width, nothing reads a tensor value
+on the host, so the same function runs eagerly on a CPU and inside one CUDA graph per batch size.
+
+Positions: a request's target cache holds `cache_len` committed tokens; the anchor (the last
+emitted token, not yet in the cache) sits at position `cache_len`, and a tree node of depth `d`
+at `cache_len + d`. The commit writes the root and the accepted nodes at `cache_len ..
+cache_len + accept_len`, and the bonus token becomes the next anchor.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from dataclasses import dataclass, fields
+
+import torch
+from torch import Tensor
+
+from engine.kv_cache import KVPool
+from engine.models.dflash import DFlashDrafter
+from engine.models.kimi import KimiForCausalLM
+from ops.sampling import target_probs
+from ops.tree import DDTree, build_ddtree, chain_tree
+from ops.verify import Decision, tree_greedy, tree_sample
+
+MODES = ("tree", "chain", "ar")
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """The static knobs of one captured step: every tensor shape follows from these."""
+
+    mode: str  # "tree", "chain" or "ar"
+    budget: int  # tree nodes besides the root (tree mode)
+    block_size: int  # drafter block (anchor + L drafts); unused in ar mode
+    sample: bool  # rejection sampling (True) or the greedy walk (False)
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+        if self.mode == "tree" and self.budget < 1:
+            raise ValueError(f"tree budget must be >= 1, got {self.budget}")
+
+    @property
+    def depth(self) -> int:
+        """L: the deepest node a step can accept."""
+        return 0 if self.mode == "ar" else self.block_size - 1
+
+    @property
+    def num_nodes(self) -> int:
+        """N: tree nodes including the root."""
+        return {"tree": self.budget + 1, "chain": self.depth + 1, "ar": 1}[self.mode]
+
+    @property
+    def max_emit(self) -> int:
+        """S: tokens a step can emit (accepted drafts plus the bonus)."""
+        return min(self.num_nodes, self.depth + 1)
+
+
+@dataclass
+class StepBuffers:
+    """Per-step inputs and outputs, `[bs, ...]`, allocated once per captured batch size."""
+
+    # inputs, copied in by the host before each step
+    anchor: Tensor  # [bs] int64: last emitted token
+    cache_len: Tensor  # [bs] int64: committed tokens in the cache
+    page_table: Tensor  # [bs, W] int64: pages of the request, DUMMY_PAGE past its end
+    temperature: Tensor  # [bs] f32 (greedy rows: 1)
+    top_k: Tensor  # [bs] int64 (greedy rows: 1; off: 0)
+    top_p: Tensor  # [bs] f32
+    coins: Tensor  # [bs, N] f32 uniform, one per tree node (used at parents)
+    final_coins: Tensor  # [bs] f32 uniform, for the bonus token
+    # scratch: the verify forward's own latent rows, read by the commit
+    tree_kv: Tensor  # [layers, bs, N, R + P]
+    # outputs, read back by the host
+    emit: Tensor  # [bs, S] int64, -1 padded
+    accept_len: Tensor  # [bs] int64
+    accept_nodes: Tensor  # [bs, S] int64, -1 padded
+
+    @classmethod
+    def allocate(cls, bs: int, width: int, shape: StepShape, target: KimiForCausalLM,
+                 device: torch.device | str) -> StepBuffers:
+        c = target.cfg
+        N, S = shape.num_nodes, shape.max_emit
+        z = dict(device=device)
+        return cls(
+            anchor=torch.zeros(bs, dtype=torch.int64, **z),
+            cache_len=torch.zeros(bs, dtype=torch.int64, **z),
+            page_table=torch.zeros(bs, width, dtype=torch.int64, **z),
+            temperature=torch.ones(bs, **z),
+            top_k=torch.ones(bs, dtype=torch.int64, **z),
+            top_p=torch.ones(bs, **z),
+            coins=torch.zeros(bs, N, **z),
+            final_coins=torch.zeros(bs, **z),
+            tree_kv=torch.zeros(c.num_hidden_layers, bs, N, c.kv_cache_dim,
+                                dtype=target.lm_head.weight.dtype, **z),
+            emit=torch.full((bs, S), -1, dtype=torch.int64, **z),
+            accept_len=torch.zeros(bs, dtype=torch.int64, **z),
+            accept_nodes=torch.full((bs, S), -1, dtype=torch.int64, **z),
+        )
+
+    def rows(self, n: int) -> StepBuffers:
+        """Views of the first `n` rows (a smaller batch over the same storage)."""
+        return StepBuffers(**{f.name: (getattr(self, f.name)[:, :n] if f.name == "tree_kv"
+                                       else getattr(self, f.name)[:n]) for f in fields(self)})
+
+
+@dataclass
+class Models:
+    target: KimiForCausalLM
+    drafter: DFlashDrafter | None = None
+
+    @property
+    def aux_layers(self) -> tuple[int, ...]:
+        return self.drafter.c.target_layer_ids if self.drafter is not None else ()
+
+
+Timer = Callable[[str], contextlib.AbstractContextManager]
+
+
+def _no_timer(name: str) -> contextlib.AbstractContextManager:
+    return contextlib.nullcontext()
+
+
+def slot_of(page_table: Tensor, pos: Tensor, page_size: int) -> Tensor:
+    """Flat cache slot of position `pos [bs, M]` through `page_table [bs, W]`. Positions past
+    the table resolve into the dummy page (their writes are discarded by construction)."""
+    page = (pos // page_size).clamp(max=page_table.shape[1] - 1)
+    return page_table.gather(1, page) * page_size + pos % page_size
+
+
+def draft(models: Models, pool: KVPool, buf: StepBuffers, shape: StepShape,
+          ctx_slots: Tensor) -> Tensor:
+    """Draft logits `[bs, L, V]` for the block `[anchor, MASK x L]` at `cache_len ..`."""
+    target, drafter = models.target, models.drafter
+    bs, B = buf.anchor.shape[0], shape.block_size
+    block = torch.full((bs, B), drafter.c.mask_token_id, dtype=torch.int64,
+                       device=buf.anchor.device)
+    block[:, 0] = buf.anchor
+    positions = buf.cache_len[:, None] + torch.arange(B, device=block.device)
+    ctx_kv = pool.draft[:, ctx_slots]  # [layers, bs, C, kv_dim]
+    ctx_valid = torch.arange(ctx_slots.shape[1], device=block.device) < buf.cache_len[:, None]
+    h = drafter(target.model.embed_tokens(block), positions, ctx_kv, ctx_valid)
+    # NOTE: row 0 (the anchor's own) predicts nothing; row j predicts depth j.
+    return target.lm_head(h[:, 1:]).float()
+
+
+def build(draft_logits: Tensor | None, buf: StepBuffers, shape: StepShape) -> DDTree:
+    if shape.mode == "tree":
+        return build_ddtree(draft_logits, shape.budget, buf.anchor)
+    if shape.mode == "chain":
+        return chain_tree(draft_logits, buf.anchor)
+    # ar: the tree is the root alone; the decide then emits only the bonus token
+    bs = buf.anchor.shape[0]
+    z = torch.zeros(bs, 1, dtype=torch.int64, device=buf.anchor.device)
+    return DDTree(tokens=buf.anchor[:, None].clone(), parent=z - 1, depth=z,
+                  logw=z.float(), valid=torch.ones_like(z, dtype=torch.bool),
+                  next_token=z - 1, next_sibling=z - 1,
+                  visible=torch.ones(bs, 1, 1, dtype=torch.bool, device=z.device))
+
+
+def decide(logits: Tensor, tree: DDTree, buf: StepBuffers, shape: StepShape) -> Decision:
+    L = shape.depth
+    if not shape.sample:
+        return tree_greedy(tree.tokens, tree.next_token, tree.next_sibling, logits.argmax(-1),
+                           max_accept=L)
+    probs = target_probs(logits, buf.temperature, buf.top_k, buf.top_p)
+    return tree_sample(tree.tokens, tree.next_token, tree.next_sibling, probs, buf.coins,
+                       buf.final_coins, max_accept=L)
+
+
+def commit(models: Models, pool: KVPool, buf: StepBuffers, dec: Decision, aux: Tensor | None,
+           shape: StepShape) -> None:
+    """Move the root and accepted nodes' latent rows to `cache_len ..`, hand their target
+    features to the drafter's cache, and publish the decision."""
+    bs, S = dec.accept_nodes.shape
+    j = torch.arange(S, device=buf.anchor.device)
+    keep = j[None, :] <= dec.accept_len[:, None]  # [bs, S]
+    node = dec.accept_nodes.clamp(min=0)
+    pos = buf.cache_len[:, None] + j
+    # NOTE: entries past accept_len go to slot 0 of the dummy page, never to a real page.
+    dest = torch.where(keep, slot_of(buf.page_table, pos, pool.page_size), 0).reshape(-1)
+    rows = buf.tree_kv[:, torch.arange(bs, device=node.device)[:, None], node]
+    pool.target[:, dest] = rows.reshape(rows.shape[0], bs * S, -1)
+    if aux is not None and models.drafter is not None:
+        feats = aux.gather(1, node[..., None].expand(-1, -1, aux.shape[-1]))  # [bs, S, nH]
+        kv = models.drafter.context_kv(feats, pos)  # [draft_layers, bs, S, kv_dim]
+        pool.draft[:, dest] = kv.reshape(kv.shape[0], bs * S, -1).to(pool.draft.dtype)
+    buf.emit.copy_(dec.emit)
+    buf.accept_len.copy_(dec.accept_len)
+    buf.accept_nodes.copy_(dec.accept_nodes)
+
+
+@torch.inference_mode()
+def spec_step(models: Models, pool: KVPool, buf: StepBuffers, shape: StepShape,
+              timer: Timer = _no_timer) -> None:
+    """One speculative step for every row of `buf` (padding rows included)."""
+    C = buf.page_table.shape[1] * pool.page_size
+    ctx_slots = slot_of(buf.page_table, torch.arange(C, device=buf.anchor.device)[None, :]
+                        .expand(buf.page_table.shape[0], C), pool.page_size)
+    draft_logits = None
+    if shape.mode != "ar":
+        with timer("draft"):
+            draft_logits = draft(models, pool, buf, shape, ctx_slots)
+    with timer("build"):
+        tree = build(draft_logits, buf, shape)
+    with timer("verify"):
+        aux_layers = models.aux_layers if shape.mode != "ar" else ()
+        logits, aux = models.target.verify(
+            tree.tokens, tree.depth + buf.cache_len[:, None], pool.target, ctx_slots,
+            buf.cache_len, tree.visible, buf.tree_kv, aux_layers)
+    with timer("decide"):
+        dec = decide(logits, tree, buf, shape)
+    with timer("commit"):
+        commit(models, pool, buf, dec, aux, shape)
