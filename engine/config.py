@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -264,30 +265,30 @@ class ModelConfig:
             out[a + "o_proj.weight"] = (H, nh * self.v_head_dim)
             m = lp + "mlp."
             if self.is_moe(i):
-                E, I = self.n_routed_experts, self.moe_intermediate_size
+                E, inter = self.n_routed_experts, self.moe_intermediate_size
                 out[m + "gate.weight"] = (E, H)
                 out[m + "gate.e_score_correction_bias"] = (E,)
                 if self.n_shared_experts:
-                    Is = I * self.n_shared_experts
+                    Is = inter * self.n_shared_experts
                     out[m + "shared_experts.gate_proj.weight"] = (Is, H)
                     out[m + "shared_experts.up_proj.weight"] = (Is, H)
                     out[m + "shared_experts.down_proj.weight"] = (H, Is)
                 for e in range(E):
-                    out[m + f"experts.{e}.gate_proj.weight"] = (I, H)
-                    out[m + f"experts.{e}.up_proj.weight"] = (I, H)
-                    out[m + f"experts.{e}.down_proj.weight"] = (H, I)
+                    out[m + f"experts.{e}.gate_proj.weight"] = (inter, H)
+                    out[m + f"experts.{e}.up_proj.weight"] = (inter, H)
+                    out[m + f"experts.{e}.down_proj.weight"] = (H, inter)
             else:
-                I = self.intermediate_size
-                out[m + "gate_proj.weight"] = (I, H)
-                out[m + "up_proj.weight"] = (I, H)
-                out[m + "down_proj.weight"] = (H, I)
+                inter = self.intermediate_size
+                out[m + "gate_proj.weight"] = (inter, H)
+                out[m + "up_proj.weight"] = (inter, H)
+                out[m + "down_proj.weight"] = (H, inter)
         return out
 
     def param_count(self) -> int:
         return sum(math.prod(s) for s in self.tensor_shapes().values())
 
     def activated_param_count(self) -> int:
-        """Parameters touched per token: routed experts count `num_experts_per_tok` of each layer."""
+        """Parameters touched per token (routed experts count `num_experts_per_tok` per layer)."""
         total = 0
         for name, s in self.tensor_shapes().items():
             n = math.prod(s)
@@ -297,14 +298,22 @@ class ModelConfig:
         return int(total)
 
     def is_quantized_expert(self, name: str) -> bool:
-        """Whether `name` (a `.weight` of a linear) is stored INT4 under this checkpoint's scheme."""
+        """Whether `name` (a linear's `.weight`) is stored INT4 under this checkpoint's scheme."""
         q = self.quantization
         if q is None or q.method != "int4":
             return False
         if ".mlp.experts." not in name:
             return False
         base = name.removesuffix(".weight")
-        return not any(base == ig or base.endswith("." + ig) or ig == name for ig in q.ignore)
+        for ig in q.ignore:
+            # compressed-tensors writes "re:<regex>" entries, matched from the start of the
+            # module name; plain entries are exact names or dotted suffixes ("lm_head").
+            if ig.startswith("re:"):
+                if re.match(ig[3:], base):
+                    return False
+            elif base == ig or base.endswith("." + ig) or ig == name:
+                return False
+        return True
 
 
 def _yarn_m(scale: float, mscale: float) -> float:
