@@ -1,0 +1,90 @@
+"""Small helpers shared by the benchmarks: timing, and JSON + PNG output."""
+
+from __future__ import annotations
+
+import json
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+DEFAULT_OUT = Path("runs/bench")
+
+
+def sync(device: torch.device | str) -> None:
+    """Wait for queued device work, so that wall time measures the work itself."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
+def time_fn(
+    fn: Callable[[], Any], *, warmup: int = 2, repeats: int = 10, device: str = "cpu"
+) -> float:
+    """Median wall time of `fn()` in seconds over `repeats` runs after `warmup` untimed ones."""
+    for _ in range(warmup):
+        fn()
+    sync(device)
+    times = []
+    for _ in range(max(1, repeats)):
+        start = time.perf_counter()
+        fn()
+        sync(device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def environment(device: str) -> dict[str, Any]:
+    """What the numbers depend on, stored next to them."""
+    env = {
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "device": device,
+        "threads": torch.get_num_threads(),
+        "machine": platform.machine(),
+    }
+    if torch.device(device).type == "cuda":
+        env["gpu"] = torch.cuda.get_device_name()
+    return env
+
+
+def write_results(
+    name: str,
+    payload: dict[str, Any],
+    plot: Callable[[Any], None] | None = None,
+    out_dir: str | Path = DEFAULT_OUT,
+) -> list[Path]:
+    """Write `<out_dir>/<name>.json` and, given `plot(figure)`, `<name>.png`; print the paths."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = [out / f"{name}.json"]
+    paths[0].write_text(json.dumps(payload, indent=2) + "\n")
+    if plot is not None:
+        import matplotlib
+
+        matplotlib.use("Agg")  # headless: benchmarks run on machines without a display
+        import matplotlib.pyplot as plt
+
+        fig = plt.figure(figsize=(11, 4.5))
+        plot(fig)
+        fig.tight_layout()
+        paths.append(out / f"{name}.png")
+        fig.savefig(paths[-1], dpi=120)
+        plt.close(fig)
+    for path in paths:
+        print(f"wrote {path}")
+    return paths
+
+
+def table(rows: list[dict[str, Any]], columns: list[tuple[str, str, str]]) -> str:
+    """A fixed-width text table; columns are (key, header, format spec)."""
+    cells = [[header for _, header, _ in columns]]
+    for row in rows:
+        cells.append([format(row[key], spec) for key, _, spec in columns])
+    widths = [max(len(r[i]) for r in cells) for i in range(len(columns))]
+    lines = ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in cells]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)

@@ -1,0 +1,282 @@
+"""DDTree construction on the device, retrieval arrays, tree attention mask, and a heap reference.
+
+Shapes: `bs` requests, `L` drafted depths, `V` vocabulary, `K` budget (non-root nodes),
+`N = K + 1`. Every function except `build_ddtree_reference` is a fixed-shape tensor program: no host
+sync, no data-dependent shapes, loops only over depth, so it runs unchanged on the CPU and inside a
+CUDA graph.
+
+Canonical layout (shared by the device builder, the reference and `chain_tree`): column 0 is the
+root; valid nodes follow in depth-major order, children of one parent contiguous and ordered by
+descending `logw` (equivalently by ascending draft rank), so `parent < child`; padding nodes fill
+the tail. Padding nodes hold token 0, parent 0 (the root, so their attention row is never empty),
+depth 0, `logw = -inf`, `valid = False`, and -1 in both retrieval arrays.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import Tensor
+
+# Packed sort keys: an order-preserving image of the fp32 weight above a 32-bit index.
+_LOW = 1 << 32
+
+
+@dataclass
+class DDTree:
+    """A batch of draft trees in the canonical layout; all `[bs, N]` unless noted."""
+
+    tokens: Tensor  # int64, root = anchor token, padding 0
+    parent: Tensor  # int64 local id, -1 for the root, 0 for padding
+    depth: Tensor  # int64, 0 for the root and padding
+    logw: Tensor  # float32 cumulative draft log-prob, 0 at the root, -inf for padding
+    valid: Tensor  # bool, False for padding
+    next_token: Tensor  # int64 first child, -1 if none
+    next_sibling: Tensor  # int64 next sibling (descending logw), -1 if none
+    visible: Tensor  # bool [bs, N, N]: j is i or an ancestor of i (padding: itself and the root)
+
+    def positions(self, cache_len: Tensor) -> Tensor:
+        """RoPE positions `[bs, N]` of the nodes for committed lengths `cache_len` `[bs]`."""
+        return cache_len.to(self.depth.dtype)[:, None] + self.depth
+
+
+def draft_topk(draft_logits: Tensor, r: int) -> tuple[Tensor, Tensor]:
+    """The `r` best draft log-probs per depth and their tokens, both `[bs, L, r]`, descending.
+
+    Shared by the device builder and the reference so both see the same ranks, ties included.
+    """
+    lp = torch.log_softmax(draft_logits.float(), dim=-1)
+    vals, toks = torch.topk(lp, r, dim=-1)
+    # NOTE: a row of all -inf logits gives all-NaN log-probs; it must read as "no candidate at this
+    # depth". Fixed after the top-k, on the small tensor.
+    return torch.where(torch.isnan(vals), float("-inf"), vals), toks
+
+
+def _ordered_bits(w: Tensor) -> Tensor:
+    """int64 keys with the same order as the fp32 values `w` (no NaN): exact, no epsilons."""
+    bits = (w + 0.0).contiguous().view(torch.int32)  # + 0.0 folds -0.0 into +0.0
+    return torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(torch.int64)
+
+
+def _top_by_weight(w: Tensor, k: int) -> Tensor:
+    """Indices `[bs, k]` of the `k` largest `w` `[bs, M]`, ties to the smaller index, ascending.
+
+    The candidates of each caller are laid out so that a smaller index is the lexicographically
+    smaller rank tuple (shallower first), which keeps the kept set closed under ancestors and
+    previous siblings even with exactly tied weights.
+    """
+    idx = torch.arange(w.shape[-1], device=w.device, dtype=torch.int64)
+    key = _ordered_bits(w) * _LOW + (_LOW - 1 - idx)
+    top = torch.topk(key, k, dim=-1, sorted=False).indices
+    return torch.sort(top, dim=-1).values
+
+
+def _retrieval(parent: Tensor, valid: Tensor) -> tuple[Tensor, Tensor]:
+    """First-child and next-sibling arrays `[bs, N]` of a canonical-layout tree."""
+    bs, n = parent.shape
+    dev = parent.device
+    ids = torch.arange(n, device=dev, dtype=torch.int64).expand(bs, n)
+    # Children of one parent are contiguous, so the next sibling is simply the next column.
+    # Valid nodes are a prefix, and the root's parent (-1) never pairs with node 1.
+    same = valid[:, 1:] & (parent[:, 1:] == parent[:, :-1])
+    minus = torch.full((bs, 1), -1, device=dev, dtype=torch.int64)
+    next_sibling = torch.cat([torch.where(same, ids[:, 1:], -1), minus], dim=1)
+    # First child = smallest id among the children; padding and the root scatter to a dump column.
+    tgt = torch.where(valid & (ids > 0), parent, n)
+    first = torch.full((bs, n + 1), n, device=dev, dtype=torch.int64)
+    first = first.scatter_reduce(1, tgt, ids, reduce="amin", include_self=True)[:, :n]
+    next_token = torch.where(first < n, first, -1)
+    return next_token, next_sibling
+
+
+def _visible(parent: Tensor, rounds: int) -> Tensor:
+    """Ancestor-or-self relation `[bs, N, N]` by `rounds` steps of pointer chasing over `parent`."""
+    bs, n = parent.shape
+    eye = torch.eye(n, device=parent.device, dtype=torch.bool)
+    vis = eye.expand(bs, n, n).clone()
+    up = parent.clamp(min=0)  # the root points at itself, so extra rounds are harmless
+    ptr = up
+    for _ in range(rounds):
+        vis.scatter_(2, ptr.unsqueeze(-1), True)
+        ptr = up.gather(1, ptr)
+    return vis
+
+
+def _finish(
+    tokens: Tensor, parent: Tensor, depth: Tensor, logw: Tensor, valid: Tensor, max_depth: int
+) -> DDTree:
+    next_token, next_sibling = _retrieval(parent, valid)
+    visible = _visible(parent, max(max_depth, 1))
+    return DDTree(tokens, parent, depth, logw, valid, next_token, next_sibling, visible)
+
+
+def build_ddtree(draft_logits: Tensor, budget: int, anchor_tokens: Tensor) -> DDTree:
+    """The `budget` heaviest draft rank tuples as a canonical tree, with retrieval arrays and mask.
+
+    draft_logits `[bs, L, V]` (row `d` is the drafter's distribution at depth `d + 1`),
+    anchor_tokens `[bs]`. Returns a `DDTree` with `N = budget + 1`.
+
+    Per depth, the `K` heaviest tuples are found among the `K x R` extensions of the previous
+    depth's `K` heaviest; the global `K` heaviest are then taken among the `L x K` survivors. Ties
+    prefer the shallower tuple, then the lexicographically smaller one.
+    """
+    bs, n_depth, vocab = draft_logits.shape
+    k = budget
+    r = min(k, vocab)
+    n = k + 1
+    dev = draft_logits.device
+    lp, tok = draft_topk(draft_logits, r)  # [bs, L, R]
+
+    # Survivors of each depth, in lexicographic order of their rank tuples: weight, the slot of the
+    # parent among the previous depth's survivors, and the last rank.
+    pad = torch.full((bs, k - r), float("-inf"), device=dev, dtype=torch.float32)
+    w = torch.cat([lp[:, 0], pad], dim=1)  # [bs, K]
+    slots = torch.arange(k, device=dev, dtype=torch.int64).expand(bs, k)
+    ws, pars, ranks = [w], [torch.zeros_like(slots)], [slots.clamp(max=r - 1)]
+    for d in range(1, n_depth):
+        ext = (w[:, :, None] + lp[:, d, None, :]).reshape(bs, k * r)  # flat = slot * R + rank
+        keep = _top_by_weight(ext, k)
+        w = ext.gather(1, keep)
+        ws.append(w)
+        pars.append(keep // r)
+        ranks.append(keep % r)
+    cand_w = torch.stack(ws, 1).reshape(bs, n_depth * k)  # flat = depth * K + slot
+    cand_par = torch.stack(pars, 1)  # [bs, L, K]
+    cand_rank = torch.stack(ranks, 1).reshape(bs, n_depth * k)
+
+    # NOTE: closure needs no repair pass: in fp32 a child's weight never exceeds its parent's or
+    # its previous sibling's, and on a tie the shallower / lexicographically smaller one wins, so
+    # both precede it in every selection above. -inf tuples are dropped here and become padding.
+    chosen = _top_by_weight(cand_w, k)
+    sel = torch.zeros(bs, n_depth * k, device=dev, dtype=torch.bool)
+    sel = sel.scatter(1, chosen, torch.isfinite(cand_w.gather(1, chosen)))
+
+    # Flat survivor order is already (depth, lexicographic), i.e. the canonical order: a running
+    # count of the kept ones is each node's local id.
+    local = torch.where(sel, sel.long().cumsum(1), -1)  # [bs, L*K]
+    flat = torch.arange(n_depth * k, device=dev, dtype=torch.int64).expand(bs, -1)
+    src = torch.full((bs, n + 1), -1, device=dev, dtype=torch.int64)
+    src = src.scatter(1, torch.where(sel, local, n), flat)[:, 1:n]  # [bs, K] survivor per node
+    ok = src >= 0
+    s = src.clamp(min=0)
+    d0 = s // k  # zero-based depth row
+    node_rank = cand_rank.gather(1, s)
+    node_tok = tok.reshape(bs, n_depth * r).gather(1, d0 * r + node_rank)
+    par_slot = cand_par.reshape(bs, n_depth * k).gather(1, s)
+    par_local = local.gather(1, ((d0 - 1).clamp(min=0) * k + par_slot))
+    par_local = torch.where(d0 == 0, 0, par_local)
+
+    root_i = torch.zeros(bs, 1, device=dev, dtype=torch.int64)
+    tokens = torch.cat([anchor_tokens.to(torch.int64).view(bs, 1), torch.where(ok, node_tok, 0)], 1)
+    parent = torch.cat([root_i - 1, torch.where(ok, par_local, 0)], 1)
+    depth = torch.cat([root_i, torch.where(ok, d0 + 1, 0)], 1)
+    node_w = torch.where(ok, cand_w.gather(1, s), float("-inf"))
+    logw = torch.cat([torch.zeros(bs, 1, device=dev, dtype=torch.float32), node_w], 1)
+    valid = torch.cat([torch.ones(bs, 1, device=dev, dtype=torch.bool), ok], 1)
+    return _finish(tokens, parent, depth, logw, valid, n_depth)
+
+
+def chain_tree(draft_logits: Tensor, anchor_tokens: Tensor) -> DDTree:
+    """The drafter's argmax path as a tree, `N = L + 1`; draft_logits `[bs, L, V]`.
+
+    Depths whose best log-prob is -inf (an all -inf row) and everything below become padding.
+    """
+    bs, n_depth, _ = draft_logits.shape
+    dev = draft_logits.device
+    lp, tok = draft_topk(draft_logits, 1)
+    lp, tok = lp[..., 0], tok[..., 0]  # [bs, L]
+    w = lp.cumsum(1)
+    ok = torch.isfinite(w)  # a prefix of each row: -inf never recovers
+    ids = torch.arange(1, n_depth + 1, device=dev, dtype=torch.int64).expand(bs, -1)
+    root_i = torch.zeros(bs, 1, device=dev, dtype=torch.int64)
+    tokens = torch.cat([anchor_tokens.to(torch.int64).view(bs, 1), torch.where(ok, tok, 0)], 1)
+    parent = torch.cat([root_i - 1, torch.where(ok, ids - 1, 0)], 1)
+    depth = torch.cat([root_i, torch.where(ok, ids, 0)], 1)
+    zero = torch.zeros(bs, 1, device=dev, dtype=torch.float32)
+    logw = torch.cat([zero, torch.where(ok, w, float("-inf"))], 1)
+    valid = torch.cat([torch.ones(bs, 1, device=dev, dtype=torch.bool), ok], 1)
+    return _finish(tokens, parent, depth, logw, valid, n_depth)
+
+
+def build_ddtree_reference(draft_logits: Tensor, budget: int, anchor_tokens: Tensor) -> DDTree:
+    """Best-first heap over rank tuples, one request at a time on the host (tests and benchmarks).
+
+    Same output as `build_ddtree` (layout included) whenever the weights are distinct; exact ties
+    break on the lexicographically smallest rank tuple. Weights are accumulated in fp32 in the same
+    order as the device builder, so they agree bit for bit.
+    """
+    bs, n_depth, vocab = draft_logits.shape
+    k = budget
+    r = min(k, vocab)
+    n = k + 1
+    lp_t, tok_t = draft_topk(draft_logits, r)
+    lp = lp_t.cpu().numpy().astype(np.float32)
+    tok = tok_t.cpu().tolist()
+    anchors = anchor_tokens.cpu().tolist()
+    neg_inf = float("-inf")
+
+    tokens = [[0] * n for _ in range(bs)]
+    parent = [[0] * n for _ in range(bs)]
+    depth = [[0] * n for _ in range(bs)]
+    logw = [[neg_inf] * n for _ in range(bs)]
+    valid = [[False] * n for _ in range(bs)]
+    next_token = [[-1] * n for _ in range(bs)]
+    next_sibling = [[-1] * n for _ in range(bs)]
+    visible = [[[False] * n for _ in range(n)] for _ in range(bs)]
+    for b in range(bs):
+        weight: dict[tuple[int, ...], np.float32] = {(): np.float32(0.0)}
+        heap = [(-float(lp[b, 0, 0]), (0,))]
+        kept: list[tuple[int, ...]] = []
+        while heap and len(kept) < k:
+            neg, tup = heapq.heappop(heap)
+            if -neg == neg_inf:
+                break  # everything left is -inf: those slots are padding
+            kept.append(tup)
+            d, last = len(tup), tup[-1]
+            base = weight[tup[:-1]]
+            weight[tup] = np.float32(base + lp[b, d - 1, last]) if d > 1 else lp[b, 0, last]
+            if last + 1 < r:
+                sib = np.float32(base + lp[b, d - 1, last + 1]) if d > 1 else lp[b, 0, last + 1]
+                heapq.heappush(heap, (-float(sib), tup[:-1] + (last + 1,)))
+            if d < n_depth:
+                child = np.float32(weight[tup] + lp[b, d, 0])
+                heapq.heappush(heap, (-float(child), tup + (0,)))
+        order = sorted(kept, key=lambda t: (len(t), t))
+        ids = {(): 0}
+        for i, tup in enumerate(order, start=1):
+            ids[tup] = i
+        tokens[b][0], parent[b][0], logw[b][0], valid[b][0] = anchors[b], -1, 0.0, True
+        children: dict[int, list[int]] = {}
+        for tup in order:
+            i, p = ids[tup], ids[tup[:-1]]
+            tokens[b][i] = tok[b][len(tup) - 1][tup[-1]]
+            parent[b][i], depth[b][i] = p, len(tup)
+            logw[b][i], valid[b][i] = float(weight[tup]), True
+            children.setdefault(p, []).append(i)
+        for p, kids in children.items():
+            next_token[b][p] = kids[0]
+            for a, c in zip(kids, kids[1:]):
+                next_sibling[b][a] = c
+        for i in range(n):
+            visible[b][i][i] = visible[b][i][0] = True
+            j = parent[b][i] if valid[b][i] else -1
+            while j >= 0:
+                visible[b][i][j] = True
+                j = parent[b][j]
+
+    def t(x: list, dtype: torch.dtype) -> Tensor:
+        return torch.tensor(x, dtype=dtype, device=draft_logits.device)
+
+    return DDTree(
+        tokens=t(tokens, torch.int64),
+        parent=t(parent, torch.int64),
+        depth=t(depth, torch.int64),
+        logw=t(logw, torch.float32),
+        valid=t(valid, torch.bool),
+        next_token=t(next_token, torch.int64),
+        next_sibling=t(next_sibling, torch.int64),
+        visible=t(visible, torch.bool),
+    )

@@ -1,0 +1,523 @@
+"""Decide ops: known answers, a host emulation, exactness in distribution, graph safety."""
+
+from __future__ import annotations
+
+import zlib
+
+import numpy as np
+import pytest
+import torch
+from scipy import stats
+from torch import Tensor
+from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
+
+from ops.sampling import sample_from_probs, target_probs
+from ops.tree import DDTree, build_ddtree
+from ops.verify import Decision, tree_greedy, tree_sample
+from tests.fakeguard import run_on_fake
+
+# Per-check false-alarm rate; with at most 100 seeded checks the family rate stays under 1e-4.
+ALPHA = 1e-6
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    # Tiny ops: intra-op threads only add spin-up cost on a shared machine.
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+# --- the known-answer vector of the spec ------------------------------------------------------
+
+KA_CAND = torch.tensor([[0, 1, 2, 3, 4, 5], [7, 8, 9, 10, 11, 12]])
+KA_NEXT = torch.tensor([[1, 2, -1, 4, 5, -1], [4, 2, 3, -1, 5, -1]])
+KA_SIB = torch.tensor([[-1, 3, -1, -1, -1, -1], [-1, -1, -1, -1, 1, -1]])
+
+
+def known_answer_logits() -> Tensor:
+    logits = torch.ones(2, 6, 20)
+    logits[:, :, 18] = 10.0
+    for b, i, t in [(0, 0, 3), (0, 3, 4), (0, 4, 5), (1, 0, 11), (1, 4, 12)]:
+        logits[b, i, 18] = 1.0
+        logits[b, i, t] = 10.0
+    return logits
+
+
+def flat_to_local(flat: list[list[int]], n: int, width: int) -> Tensor:
+    rows = [[f - b * n if f >= 0 else -1 for f in row] for b, row in enumerate(flat)]
+    return torch.tensor([row + [-1] * (width - len(row)) for row in rows])
+
+
+def padded(rows: list[list[int]], width: int) -> Tensor:
+    return torch.tensor([row + [-1] * (width - len(row)) for row in rows])
+
+
+@pytest.mark.parametrize("max_accept", [None, 3, 5])
+def test_known_answer_sampling(max_accept: int | None) -> None:
+    logits = known_answer_logits()
+    ones = torch.ones(2)
+    q = target_probs(logits, ones * 0.01, torch.zeros(2, dtype=torch.int64), ones)
+    width = 6 if max_accept is None else min(6, max_accept + 1)
+    for seed in range(3):
+        g = torch.Generator().manual_seed(seed)
+        out = tree_sample(
+            KA_CAND,
+            KA_NEXT,
+            KA_SIB,
+            q,
+            torch.rand(2, 6, generator=g),
+            torch.rand(2, generator=g),
+            max_accept=max_accept,
+        )
+        assert torch.equal(
+            out.accept_nodes, flat_to_local([[0, 3, 4, 5], [6, 10, 11, -1]], 6, width)
+        )
+        assert torch.equal(out.accept_len, torch.tensor([3, 2]))
+        assert torch.equal(out.emit, padded([[3, 4, 5, 18], [11, 12, 18]], width))
+
+
+def test_known_answer_greedy_and_depth_limit() -> None:
+    argmax = known_answer_logits().argmax(-1)
+    out = tree_greedy(KA_CAND, KA_NEXT, KA_SIB, argmax)
+    assert torch.equal(out.accept_nodes, padded([[0, 3, 4, 5], [0, 4, 5]], 6))
+    assert torch.equal(out.accept_len, torch.tensor([3, 2]))
+    assert torch.equal(out.emit, padded([[3, 4, 5, 18], [11, 12, 18]], 6))
+    # Two drafts at most: the bonus comes from the second accepted node's own row.
+    out = tree_greedy(KA_CAND, KA_NEXT, KA_SIB, argmax, max_accept=2)
+    assert torch.equal(out.accept_nodes, torch.tensor([[0, 3, 4], [0, 4, 5]]))
+    assert torch.equal(out.emit, torch.tensor([[3, 4, 5], [11, 12, 18]]))
+    q = torch.softmax(known_answer_logits() / 0.01, -1)
+    out = tree_sample(KA_CAND, KA_NEXT, KA_SIB, q, torch.rand(2, 6), torch.rand(2), max_accept=2)
+    assert torch.equal(out.emit, torch.tensor([[3, 4, 5], [11, 12, 18]]))
+    out = tree_sample(KA_CAND, KA_NEXT, KA_SIB, q, torch.rand(2, 6), torch.rand(2), max_accept=0)
+    assert torch.equal(out.emit, torch.tensor([[3], [11]]))
+    assert torch.equal(out.accept_nodes, torch.tensor([[0], [0]]))
+
+
+# --- host emulation of the kernel, one request and one child at a time -----------------------
+
+
+def naive_sample(cand, nt, ns, probs, coins, final, width) -> tuple[list[int], list[int]]:
+    """The tree walk as the spec states it; returns (accepted nodes, emitted tokens)."""
+    cur, nodes, emit = 0, [0], []
+    tried: list[int] = []
+    while True:
+        tried = []
+        if len(nodes) == width:
+            break  # depth limit: the children were never tried
+        q, u = probs[cur], coins[cur]
+        acc, child, hit = np.float32(0.0), nt[cur], -1
+        while child != -1:
+            acc = np.float32(acc + q[cand[child]])
+            if q[cand[child]] > 0 and u < acc:
+                hit = child
+                break
+            tried.append(child)
+            child = ns[child]
+        if hit < 0:
+            break
+        nodes.append(hit)
+        emit.append(cand[hit])
+        cur = hit
+    r = probs[cur].astype(np.float64)
+    for c in tried:
+        r[cand[c]] = 0.0
+    if r.sum() > 0:
+        cdf = np.cumsum(r)
+        bonus = int(np.argmax((cdf > final * cdf[-1]) & (r > 0)))
+    else:
+        heavy = [c for c in tried if probs[cur][cand[c]] > 0]
+        bonus = cand[heavy[-1]] if heavy else int(np.argmax(probs[cur]))
+    return nodes, emit + [bonus]
+
+
+def naive_greedy(cand, nt, ns, argmax, width) -> tuple[list[int], list[int]]:
+    cur, nodes, emit = 0, [0], []
+    while len(nodes) < width:
+        child = nt[cur]
+        while child != -1 and cand[child] != argmax[cur]:
+            child = ns[child]
+        if child == -1:
+            break
+        nodes.append(child)
+        emit.append(cand[child])
+        cur = child
+    return nodes, emit + [argmax[cur]]
+
+
+def shuffle_layout(tree: DDTree, g: torch.Generator) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Renumber the non-root nodes at random: the decide ops must not rely on the canonical order.
+
+    Returns candidates, next_token, next_sibling and `old_of_new` `[bs, N]`.
+    """
+    bs, n = tree.tokens.shape
+    old_of_new = torch.stack(
+        [
+            torch.cat([torch.zeros(1, dtype=torch.int64), torch.randperm(n - 1, generator=g) + 1])
+            for _ in range(bs)
+        ]
+    )
+    new_of_old = torch.argsort(old_of_new, dim=1)
+
+    def relink(links: Tensor) -> Tensor:
+        moved = links.gather(1, old_of_new)
+        return torch.where(moved >= 0, new_of_old.gather(1, moved.clamp(min=0)), -1)
+
+    cand = tree.tokens.gather(1, old_of_new)
+    return cand, relink(tree.next_token), relink(tree.next_sibling), old_of_new
+
+
+def check_against_naive(out: Decision, expect: list[tuple[list[int], list[int]]], width: int):
+    assert out.accept_nodes.shape == (len(expect), width) and out.emit.shape == (len(expect), width)
+    assert torch.equal(out.accept_nodes, padded([e[0] for e in expect], width))
+    assert torch.equal(out.emit, padded([e[1] for e in expect], width))
+    assert torch.equal(out.accept_len, torch.tensor([len(e[0]) - 1 for e in expect]))
+
+
+def test_sample_and_greedy_match_host_emulation() -> None:
+    g = torch.Generator().manual_seed(21)
+    for trial in range(40):
+        bs = 12
+        depth = int(torch.randint(1, 6, (1,), generator=g))
+        vocab = int(torch.randint(4, 16, (1,), generator=g))
+        budget = int(torch.randint(1, 20, (1,), generator=g))
+        tree = build_ddtree(torch.randn(bs, depth, vocab, generator=g) * 2, budget, torch.zeros(bs))
+        n = budget + 1
+        # Target logits nudged toward each node's children so that walks go deep.
+        boost = torch.zeros(bs, n, vocab)
+        src = tree.valid & (tree.parent >= 0)
+        flat = torch.where(src, tree.parent.clamp(min=0) * vocab + tree.tokens, 0)
+        boost.view(bs, -1).scatter_add_(1, flat, src.float() * 2.5)
+        logits = torch.randn(bs, n, vocab, generator=g) + boost
+        temp = torch.rand(bs, generator=g) + 0.3
+        top_k = torch.randint(0, vocab, (bs,), generator=g)
+        top_p = torch.where(torch.rand(bs, generator=g) < 0.5, 1.0, torch.rand(bs, generator=g))
+        probs = target_probs(logits, temp, top_k, top_p)
+        if trial % 2:
+            cand, nt, ns, old_of_new = shuffle_layout(tree, g)
+            probs = probs.gather(1, old_of_new[:, :, None].expand(bs, n, vocab))
+        else:
+            cand, nt, ns = tree.tokens, tree.next_token, tree.next_sibling
+        coins = torch.rand(bs, n, generator=g)
+        coins[:, 0] = torch.where(torch.rand(bs, generator=g) < 0.2, 0.0, coins[:, 0])
+        final = torch.rand(bs, generator=g)
+        argmax = probs.argmax(-1)
+        max_accept = None if trial % 3 == 0 else int(torch.randint(0, depth + 1, (1,), generator=g))
+        width = n if max_accept is None else min(n, max_accept + 1)
+
+        lists = [x.tolist() for x in (cand, nt, ns, argmax)]
+        p_np, c_np, f_np = probs.numpy(), coins.numpy(), final.numpy()
+        expect = [
+            naive_sample(lists[0][b], lists[1][b], lists[2][b], p_np[b], c_np[b], f_np[b], width)
+            for b in range(bs)
+        ]
+        got = tree_sample(cand, nt, ns, probs, coins, final, max_accept=max_accept)
+        check_against_naive(got, expect, width)
+        expect = [naive_greedy(*(x[b] for x in lists), width) for b in range(bs)]
+        check_against_naive(tree_greedy(cand, nt, ns, argmax, max_accept=max_accept), expect, width)
+
+
+def test_degenerate_residual_and_strict_rule() -> None:
+    # Root with children node 1 (token 2) and node 2 (token 5), V = 8.
+    cand = torch.tensor([[0, 2, 5]] * 4)
+    nt = torch.tensor([[1, -1, -1]] * 4)
+    ns = torch.tensor([[-1, 2, -1]] * 4)
+    probs = torch.zeros(4, 3, 8)
+    probs[:, 1:, 6] = 1.0
+    probs[0, 0, 2], probs[0, 0, 5] = 0.3, 0.2  # children hold all the mass; u = 0.9 rejects both
+    probs[1, 0, 2] = 0.4  # second child has no mass: the first is the last rejected with mass
+    # Row 2: all zero, so the fallback is the argmax (token 0).
+    probs[3, 0, 5] = 0.5  # zero-probability first child is skipped even with u == 0
+    probs[3, 0, 7] = 0.5
+    coins = torch.tensor([[0.9, 0.5, 0.5]] * 3 + [[0.0, 0.5, 0.5]])
+    out = tree_sample(cand, nt, ns, probs, coins, torch.full((4,), 0.5))
+    assert out.accept_len.tolist() == [0, 0, 0, 1]
+    assert out.emit[:, :2].tolist() == [[5, -1], [2, -1], [0, -1], [5, 6]]
+    assert out.accept_nodes[:, :2].tolist() == [[0, -1], [0, -1], [0, -1], [0, 2]]
+
+
+def test_long_sibling_chains() -> None:
+    # A star: 40 children of the root; the target wants the last one (rank 39).
+    tree = build_ddtree(-torch.arange(40.0).expand(2, 1, 40), 40, torch.zeros(2))
+    assert int(tree.next_token[0, 0]) == 1 and int(tree.tokens[0, 40]) == 39
+    argmax = torch.zeros(2, 41, dtype=torch.int64)
+    argmax[:, 0] = torch.tensor([39, 7])
+    out = tree_greedy(tree.tokens, tree.next_token, tree.next_sibling, argmax)
+    assert out.accept_nodes[:, :2].tolist() == [[0, 40], [0, 8]]
+    probs = torch.zeros(2, 41, 40)
+    probs[:, 0, 39] = 1.0
+    probs[:, 1:, 0] = 1.0
+    out = tree_sample(
+        tree.tokens, tree.next_token, tree.next_sibling, probs, torch.rand(2, 41), torch.rand(2)
+    )
+    assert out.emit[:, :2].tolist() == [[39, 0], [39, 0]]
+
+
+def test_padding_rows_do_not_change_real_rows() -> None:
+    g = torch.Generator().manual_seed(8)
+    tree = build_ddtree(torch.randn(4, 3, 9, generator=g), 10, torch.zeros(4))
+    probs = torch.softmax(torch.randn(4, 11, 9, generator=g), -1)
+    coins, final = torch.rand(4, 11, generator=g), torch.rand(4, generator=g)
+    full = tree_sample(tree.tokens, tree.next_token, tree.next_sibling, probs, coins, final)
+    for b in range(4):
+        one = tree_sample(
+            tree.tokens[b : b + 1],
+            tree.next_token[b : b + 1],
+            tree.next_sibling[b : b + 1],
+            probs[b : b + 1],
+            coins[b : b + 1],
+            final[b : b + 1],
+        )
+        for name in ("accept_nodes", "accept_len", "emit"):
+            assert torch.equal(getattr(one, name)[0], getattr(full, name)[b])
+
+
+# --- exactness in distribution ----------------------------------------------------------------
+
+
+def chi2_ok(observed: Tensor, probs: Tensor) -> bool:
+    """Chi-square goodness of fit with cells of expected count < 5 pooled; impossible cells must
+    stay empty."""
+    obs = observed.double().numpy()
+    exp = probs.double().clamp(min=0).numpy()
+    exp = exp / exp.sum() * obs.sum()
+    if obs[exp == 0].sum() > 0:
+        return False
+    small = exp < 5
+    cells_o = list(obs[~small]) + ([obs[small].sum()] if small.any() else [])
+    cells_e = list(exp[~small]) + ([exp[small].sum()] if small.any() else [])
+    if len(cells_o) < 2:
+        return True
+    if cells_e[-1] < 5 and small.any():  # a pooled bin that is still tiny joins the smallest cell
+        j = int(np.argmin(cells_e[:-1]))
+        cells_o[j] += cells_o.pop()
+        cells_e[j] += cells_e.pop()
+    if len(cells_o) < 2:
+        return True
+    return bool(stats.chisquare(cells_o, cells_e).pvalue > ALPHA)
+
+
+class PathTarget:
+    """q(. | prefix) as a fixed function of the drafted token prefix (anchor excluded)."""
+
+    def __init__(self, vocab: int, temp: float, top_k: int, top_p: float, seed: int) -> None:
+        self.vocab, self.seed = vocab, seed
+        self.params = (torch.tensor([temp]), torch.tensor([top_k]), torch.tensor([top_p]))
+        self.cache: dict[tuple[int, ...], Tensor] = {}
+
+    def __call__(self, prefix: tuple[int, ...]) -> Tensor:
+        if prefix not in self.cache:
+            g = torch.Generator().manual_seed(zlib.crc32(repr((self.seed, prefix)).encode()))
+            logits = torch.randn(1, self.vocab, generator=g)
+            self.cache[prefix] = target_probs(logits, *self.params)[0]
+        return self.cache[prefix]
+
+    def rows(self, tree: DDTree) -> Tensor:
+        """`[1, N, V]`: each node's row from its own token path."""
+        tokens, parent = tree.tokens[0].tolist(), tree.parent[0].tolist()
+        out = []
+        for i in range(len(tokens)):
+            toks, j = [], i
+            while j > 0:
+                toks.append(tokens[j])
+                j = parent[j]
+            out.append(self(tuple(reversed(toks))))
+        return torch.stack(out)[None]
+
+
+CONFIGS = [  # temperature, top_k, top_p
+    (1.0, 0, 1.0),
+    (0.7, 4, 1.0),
+    (1.3, 0, 0.8),
+    (0.8, 6, 0.95),
+    (2.0, 5, 0.9),
+    (1.0, 1, 1.0),  # greedy row inside a sampling batch
+]
+DRAWS = 20_000
+
+
+def sampled_batch(config_id: int) -> tuple[DDTree, PathTarget, Decision, torch.Generator]:
+    """One random tree, `DRAWS` copies with independent coins, decided by `tree_sample`."""
+    g = torch.Generator().manual_seed(1000 + config_id)
+    vocab = 8 + config_id % 5
+    depth = 2 + config_id % 3
+    budget = 4 + 3 * config_id
+    target = PathTarget(vocab, *CONFIGS[config_id], seed=config_id)
+    # A drafter that roughly knows the target along its greedy path, so that the walk goes deep.
+    rows, prefix = [], ()
+    for _ in range(depth):
+        q = target(prefix)
+        rows.append(torch.log(q + 1e-2) + torch.randn(vocab, generator=g))
+        prefix = prefix + (int(q.argmax()),)
+    tree = build_ddtree(torch.stack(rows)[None], budget, torch.zeros(1))
+    probs = target.rows(tree)
+    n = budget + 1
+    out = tree_sample(
+        tree.tokens.expand(DRAWS, n),
+        tree.next_token.expand(DRAWS, n),
+        tree.next_sibling.expand(DRAWS, n),
+        probs.expand(DRAWS, n, vocab),
+        torch.rand(DRAWS, n, generator=g),
+        torch.rand(DRAWS, generator=g),
+    )
+    return tree, target, out, g
+
+
+@pytest.mark.parametrize("config_id", range(len(CONFIGS)))
+def test_each_child_accepted_with_its_target_probability(config_id: int) -> None:
+    tree, target, out, _ = sampled_batch(config_id)
+    tokens, parent = tree.tokens[0].tolist(), tree.parent[0].tolist()
+    valid = tree.valid[0].tolist()
+    checked = 0
+    # At the root, and at every depth-1 node conditioned on the walk having reached it.
+    for node, col in [(0, 1)] + [(i, 2) for i in range(1, len(tokens)) if tree.depth[0, i] == 1]:
+        kids = [i for i in range(1, len(tokens)) if valid[i] and parent[i] == node]
+        reached = out.accept_nodes[:, col - 1] == node
+        if not kids or int(reached.sum()) < 200:
+            continue
+        q = target(() if node == 0 else (tokens[node],))
+        q_kids = torch.stack([q[tokens[c]] for c in kids])
+        expected = torch.cat([q_kids, (1 - q_kids.sum()).clamp(min=0)[None]])
+        nxt = out.accept_nodes[reached, col]
+        observed = torch.stack([(nxt == c).sum() for c in kids] + [(nxt == -1).sum()])
+        assert chi2_ok(observed, expected), (node, observed.tolist(), expected.tolist())
+        checked += 1
+    assert checked >= 1
+
+
+@pytest.mark.parametrize("config_id", range(len(CONFIGS)))
+def test_first_two_emitted_tokens_follow_the_target(config_id: int) -> None:
+    tree, target, out, g = sampled_batch(config_id)
+    vocab = target.vocab
+    q_root = target(())
+    first = out.emit[:, 0]
+    assert chi2_ok(torch.bincount(first, minlength=vocab), q_root)
+    # The second token: the tree's, or (when the step ended on its bonus) the next step's plain
+    # sample after that bonus, from the same prefix function.
+    after_first = torch.stack([target((t,)) for t in range(vocab)])  # [V, V]
+    fresh = sample_from_probs(after_first[first], torch.rand(DRAWS, generator=g))
+    second = torch.where(out.accept_len >= 1, out.emit[:, 1], fresh)
+    joint = q_root[:, None] * after_first
+    assert chi2_ok(torch.bincount(first * vocab + second, minlength=vocab * vocab), joint.flatten())
+    assert int((out.accept_len >= 1).sum()) > DRAWS // 4, "the tree path must be exercised"
+    root_kids = tree.tokens[0, (tree.parent[0] == 0) & tree.valid[0]]
+    if 1 - float(q_root[root_kids].sum()) > 0.05:
+        assert int((out.accept_len == 0).sum()) > DRAWS // 100, "and so must the residual"
+
+
+# --- graph safety -----------------------------------------------------------------------------
+
+
+def small_inputs() -> tuple[DDTree, Tensor, Tensor, Tensor]:
+    tree = build_ddtree(torch.randn(3, 4, 12), 8, torch.zeros(3))
+    probs = torch.softmax(torch.randn(3, 9, 12), -1)
+    return tree, probs, torch.rand(3, 9), torch.rand(3)
+
+
+def test_decide_runs_on_fake_tensors() -> None:
+    tree, probs, coins, final = small_inputs()
+    links = (tree.tokens, tree.next_token, tree.next_sibling)
+    out = run_on_fake(tree_sample, *links, probs, coins, final, max_accept=4)
+    assert tuple(out.accept_nodes.shape) == (3, 5) and tuple(out.emit.shape) == (3, 5)
+    assert tuple(out.accept_len.shape) == (3,)
+    out = run_on_fake(tree_greedy, *links, probs.argmax(-1))
+    assert tuple(out.accept_nodes.shape) == (3, 9) and tuple(out.emit.shape) == (3, 9)
+
+    def whole_step(logits: Tensor, target_logits: Tensor, coins: Tensor, final: Tensor):
+        tree = build_ddtree(logits, 8, torch.zeros(3, dtype=torch.int64))
+        ones = torch.ones(3)
+        q = target_probs(target_logits, ones, torch.full((3,), 5), ones * 0.9)
+        return tree_sample(tree.tokens, tree.next_token, tree.next_sibling, q, coins, final)
+
+    out = run_on_fake(whole_step, torch.randn(3, 4, 12), torch.randn(3, 9, 12), coins, final)
+    assert tuple(out.emit.shape) == (3, 9)
+
+
+def test_fake_guard_catches_host_syncs_and_dynamic_shapes() -> None:
+    tree, probs, coins, final = small_inputs()
+    links = (tree.tokens, tree.next_token, tree.next_sibling)
+
+    def with_item(*args: Tensor) -> int:
+        return tree_sample(*args).accept_len.sum().item()
+
+    def with_mask(t: DDTree) -> Tensor:
+        return t.tokens[t.valid]
+
+    def with_nonzero(*args: Tensor) -> Tensor:
+        return tree_greedy(*args).accept_nodes.nonzero()
+
+    def with_branch(*args: Tensor) -> Tensor:
+        out = tree_greedy(*args)
+        return out.emit if bool((out.accept_len > 0).any()) else out.accept_nodes
+
+    with pytest.raises(DataDependentOutputException):
+        run_on_fake(with_item, *links, probs, coins, final)
+    with pytest.raises(DynamicOutputShapeException):
+        run_on_fake(with_mask, tree)
+    with pytest.raises(DynamicOutputShapeException):
+        run_on_fake(with_nonzero, *links, probs.argmax(-1))
+    with pytest.raises(DataDependentOutputException):
+        run_on_fake(with_branch, *links, probs.argmax(-1))
+    # The unplanted calls are fine, so the raises above come from the planted lines.
+    run_on_fake(tree_sample, *links, probs, coins, final)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_graph_replay_matches_cpu() -> None:
+    bs, depth, vocab, budget = 4, 7, 64, 16
+    n = budget + 1
+    g = torch.Generator().manual_seed(0)
+
+    def inputs() -> list[Tensor]:
+        return [
+            torch.randn(bs, depth, vocab, generator=g),
+            torch.randint(0, vocab, (bs,), generator=g),
+            torch.randn(bs, n, vocab, generator=g),
+            torch.rand(bs, n, generator=g),
+            torch.rand(bs, generator=g),
+        ]
+
+    params = (
+        torch.tensor([1.0, 0.7, 1.0, 1.3]),
+        torch.tensor([0, 5, 1, 0]),
+        torch.tensor([1.0, 0.9, 1.0, 0.8]),
+    )
+
+    def step(logits, anchor, target_logits, coins, final, temp, top_k, top_p):
+        tree = build_ddtree(logits, budget, anchor)
+        q = target_probs(target_logits, temp, top_k, top_p)
+        links = (tree.tokens, tree.next_token, tree.next_sibling)
+        sampled = tree_sample(*links, q, coins, final, max_accept=depth)
+        greedy = tree_greedy(*links, target_logits.argmax(-1), max_accept=depth)
+        return [
+            tree.tokens,
+            tree.parent,
+            tree.visible,
+            sampled.accept_nodes,
+            sampled.emit,
+            greedy.accept_nodes,
+            greedy.emit,
+        ]
+
+    static = [x.cuda() for x in inputs() + list(params)]
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            step(*static)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = step(*static)
+    for _ in range(3):
+        fresh = inputs()
+        for dst, src in zip(static, fresh):
+            dst.copy_(src)
+        graph.replay()
+        torch.cuda.synchronize()
+        expect = step(*fresh, *params)
+        for got, ref in zip(outs, expect):
+            assert torch.equal(got.cpu(), ref)
