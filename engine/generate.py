@@ -92,7 +92,8 @@ def read_prompts(path: str | Path, defaults: SamplingParams
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m engine.generate", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m engine.generate",
+                                 description=__doc__.split("\n")[0])
     ap.add_argument("--model", help="target checkpoint dir (default: the bundled model)")
     ap.add_argument("--draft", help="DFlash drafter dir (default: the bundled drafter)")
     ap.add_argument("--prompts", required=True, help=".txt or .jsonl prompt file")

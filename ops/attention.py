@@ -47,8 +47,8 @@ def _masked_softmax_state(s: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def prefix_attention(
-    q_lat: Tensor, q_pe: Tensor, kv_cache: Tensor, slots: Tensor, ctx_len: Tensor, kv_lora_rank: int,
-    scale: float,
+    q_lat: Tensor, q_pe: Tensor, kv_cache: Tensor, slots: Tensor, ctx_len: Tensor,
+    kv_lora_rank: int, scale: float,
 ) -> tuple[Tensor, Tensor]:
     """Every query against the committed prefix of its request, non-causal.
 
@@ -94,7 +94,7 @@ def absorbed_attention(
     q_lat: Tensor, q_pe: Tensor, kv_cache: Tensor, slots: Tensor, ctx_len: Tensor,
     tree_kv: Tensor, visible: Tensor, kv_lora_rank: int, scale: float,
 ) -> Tensor:
-    """Prefix pass + tree pass + merge: the verify/decode attention in latent space `[bs, Q, H, R]`."""
+    """Prefix pass + tree pass + merge: verify/decode attention in latent space `[bs, Q, H, R]`."""
     o1, l1 = prefix_attention(q_lat, q_pe, kv_cache, slots, ctx_len, kv_lora_rank, scale)
     o2, l2 = tree_attention(q_lat, q_pe, tree_kv, visible, kv_lora_rank, scale)
     return merge_states(o1, l1, o2, l2)

@@ -1,4 +1,4 @@
-"""Rotary position embeddings: plain, linear and YaRN frequencies; interleaved and rotate-half forms."""
+"""Rotary embeddings: plain, linear and YaRN frequencies; interleaved and rotate-half forms."""
 
 from __future__ import annotations
 

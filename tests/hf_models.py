@@ -36,7 +36,7 @@ def make_hf_model(out: Path, name: str, seed: int = 0, std: float = 0.08):
     cfg = DeepseekV3Config(**{**BASE, **CONFIGS[name]})
     model = DeepseekV3ForCausalLM(cfg).eval()
     with torch.no_grad():
-        for n, p in model.named_parameters():
+        for p in model.parameters():
             if p.dim() > 1:
                 p.normal_(0.0, std)
             else:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
 import math
 
 import pytest
@@ -152,7 +151,7 @@ def _exact_first3(target_dir, prompt, T, k, p):
 
 
 def _chi2_pvalue(counts, dist, n):
-    cells, exp, obs = [], [], []
+    exp, obs = [], []
     rest_e, rest_o = 0.0, 0
     for key, pr in dist.items():
         if pr * n >= 5:
@@ -207,4 +206,3 @@ def test_same_seed_same_output_whatever_the_batch(pair):
     assert alone == mixed
 
 
-_ = itertools

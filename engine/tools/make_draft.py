@@ -73,7 +73,7 @@ def make_draft(target: str | Path, out: str | Path, *, layers: int = 1, block_si
     torch.manual_seed(seed)
     model = DFlashDrafter(c, ModelConfig.from_dir(target).hidden_size)
     with torch.no_grad():
-        for name, p in model.named_parameters():
+        for p in model.parameters():
             if p.dim() == 1:
                 p.copy_(1.0 + 0.01 * torch.randn_like(p))
             else:
