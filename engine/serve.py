@@ -109,6 +109,7 @@ class Handle:
     closed: bool = False
     steps_seen: int = 0  # engine thread only: accept lengths already counted
     _getter: asyncio.Task[tuple[Any, ...]] | None = None
+    _checked: float = 0.0
 
     async def next(self, http: Request | None) -> tuple[Any, ...]:
         """The next item for this request; raises ClientGone if `http`'s client disconnects.
@@ -116,14 +117,18 @@ class Handle:
         NOTE: one getter task survives poll timeouts, so an item that arrives just as a poll
         times out is never lost (cancelling a pending `queue.get()` could race with it)."""
         while True:
+            # Checked on a clock, not only when idle: tokens may arrive faster than the poll.
+            now = time.monotonic()
+            if http is not None and now - self._checked >= DISCONNECT_POLL_S:
+                self._checked = now
+                if await http.is_disconnected():
+                    raise ClientGone()
             if self._getter is None:
                 self._getter = asyncio.ensure_future(self.queue.get())
             done, _ = await asyncio.wait({self._getter}, timeout=DISCONNECT_POLL_S)
             if done:
                 item, self._getter = self._getter.result(), None
                 return item
-            if http is not None and await http.is_disconnected():
-                raise ClientGone()
 
     def cancel_getter(self) -> None:
         if self._getter is not None:
@@ -387,7 +392,7 @@ async def _parse(http: Request, model: type[_BodyT]) -> _BodyT:
                             f"{MAX_BODY_BYTES}", None, "request_too_large")
     try:
         obj = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    except (ValueError, RecursionError) as e:  # bad JSON, bad UTF-8, absurd nesting
         raise _bad(None, f"the body is not valid JSON: {e}", "invalid_json") from e
     if not isinstance(obj, dict):
         raise _bad(None, f"the body must be a JSON object, got {type(obj).__name__}",
