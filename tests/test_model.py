@@ -78,3 +78,50 @@ def test_greedy_ar_equals_transformers_generate(pair, tmp_path):
             ref = hf.generate(torch.tensor([p]), do_sample=False, max_new_tokens=64,
                               min_new_tokens=64, eos_token_id=None, pad_token_id=0)
         assert o.token_ids == ref[0, len(p):].tolist()
+
+
+def test_make_tiny_loads_in_transformers_with_same_logits(tmp_path):
+    from transformers import DeepseekV3ForCausalLM
+
+    from engine.tools.make_tiny import make_tiny
+
+    d = make_tiny(tmp_path / "t", dtype="fp32", layers=3, n_group=2, topk_group=1, shards=2)
+    hf = DeepseekV3ForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
+    ours = KimiForCausalLM.from_dir(d, progress=False)
+    ids = torch.randint(0, ours.cfg.vocab_size, (2, 23), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ref = hf(ids).logits
+    assert (ref - ours(ids)[0]).abs().max().item() < 1e-4
+
+
+def test_int4_experts_model_matches_dequantized_model(tmp_path):
+    import json
+
+    from engine.config import ModelConfig
+    from engine.tools.make_tiny import make_tiny, save_checkpoint
+    from engine.weights import load_target_weights
+    from ops.quant import dequant_int4
+
+    q = make_tiny(tmp_path / "q", dtype="fp32", int4_experts=True)
+    cfg = ModelConfig.from_dir(q)
+    assert cfg.quantization is not None and cfg.quantization.method == "int4"
+    # dequantize the stored packs independently of the loader, into a plain checkpoint
+    from safetensors.torch import load_file
+
+    raw = load_file(str(q / "model.safetensors"))
+    plain = {}
+    for k, v in raw.items():
+        if k.endswith(".weight_packed"):
+            base = k.removesuffix(".weight_packed")
+            plain[base + ".weight"] = dequant_int4(v, raw[base + ".weight_scale"],
+                                                   raw[base + ".weight_shape"])
+        elif not k.endswith((".weight_scale", ".weight_shape")):
+            plain[k] = v
+    conf = json.loads((q / "config.json").read_text())
+    conf.pop("quantization_config")
+    save_checkpoint(plain, conf, tmp_path / "p", dtype=torch.float32)
+    a = KimiForCausalLM.from_dir(q, progress=False)
+    b = KimiForCausalLM.from_dir(tmp_path / "p", progress=False)
+    ids = torch.randint(0, cfg.vocab_size, (1, 19), generator=torch.Generator().manual_seed(1))
+    assert torch.equal(a(ids)[0], b(ids)[0])
+    assert load_target_weights(q, cfg, progress=False).keys() == plain.keys()
