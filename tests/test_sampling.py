@@ -12,15 +12,6 @@ from ops.sampling import sample_from_probs, target_probs
 from tests.fakeguard import run_on_fake
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # Tiny ops: intra-op threads only add spin-up cost on a shared machine.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def reference_probs(
     logits: list[float], temperature: float, top_k: int, top_p: float
 ) -> list[float]:

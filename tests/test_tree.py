@@ -11,16 +11,6 @@ from torch import Tensor
 from ops.tree import DDTree, build_ddtree, build_ddtree_reference, chain_tree, draft_topk
 from tests.fakeguard import run_on_fake
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # Tiny ops: intra-op threads only add spin-up cost on a shared machine.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 FIELDS = ("tokens", "parent", "depth", "logw", "valid", "next_token", "next_sibling", "visible")
 
 

@@ -20,15 +20,6 @@ from tests.fakeguard import run_on_fake
 ALPHA = 1e-6
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # Tiny ops: intra-op threads only add spin-up cost on a shared machine.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 # --- the known-answer vector of the spec ------------------------------------------------------
 
 KA_CAND = torch.tensor([[0, 1, 2, 3, 4, 5], [7, 8, 9, 10, 11, 12]])
