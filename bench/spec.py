@@ -1,108 +1,200 @@
-"""Speculative decoding against its own baseline, in one run on one model:
+"""Speculative decoding against its own baseline and against transformers, in one run:
 
     python -m bench.spec [--model DIR --draft DIR] [--budgets 4 8 16 32 64] [--max-new-tokens N]
 
-Runs `ar`, `chain` and `tree` at each budget over the same prompts (greedy, batch size 1 by
-default), and prints tokens/s with its ratio to `ar`, mean accepted length (tokens per step,
-bonus included) and time per phase. Writes JSON and a PNG under `runs/bench/`. Without a model
-it generates a tiny random target and drafter (whose drafts are rarely accepted: the numbers
-then show the step's overhead, not a speed-up).
+On one model (default: the bundled one) and the same prompts (held-out corpus files for the
+bundled model, never trained on), greedy at batch size 1 by default, runs our `ar`, `chain` and
+`tree` at each budget, one sampled `tree` run (temperature 0.7, budget 16) for its accepted
+length, and, as peers on the same checkpoint, transformers' greedy `generate` and its
+prompt-lookup speculative decoding. Prints tokens/s with the ratio to our `ar`, mean accepted
+length (tokens per step, bonus included) and time per phase; writes JSON and PNG plots under
+`runs/bench/`. `--random` uses a tiny random target and drafter instead (whose drafts are rarely
+accepted: the numbers then show the step's overhead, not a speed-up).
 """
 
 from __future__ import annotations
 
 import argparse
 import tempfile
+import time
 from collections import Counter
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from bench.common import environment, table, write_results
 from engine.config import SamplingParams
 from engine.llm import DEFAULT_DRAFT, DEFAULT_MODEL, LLM
 
+PHASES = ("draft", "build", "verify", "decide", "commit", "host", "prefill+sched")
 
-def held_out_prompts(llm: LLM, n: int, seed: int) -> list[list[int]]:
+
+def random_prompts(vocab: int, n: int, seed: int) -> list[list[int]]:
     import random
 
     g = random.Random(seed)
-    V = llm.models.target.cfg.vocab_size - 256
-    return [[g.randrange(V) for _ in range(g.randint(4, 32))] for _ in range(n)]
+    return [[g.randrange(vocab - 256) for _ in range(g.randint(4, 32))] for _ in range(n)]
 
 
-def run_one(model: Path, draft: Path | None, mode: str, budget: int, prompts: list[Any],
+def run_one(model: Path, draft: Path | None, mode: str, budget: int, prompts: list[list[int]],
             params: SamplingParams, batch: int) -> dict[str, Any]:
     llm = LLM(model, draft if mode != "ar" else None, mode=mode, budget=budget,
               max_batch_size=batch, progress=False)
-    if isinstance(prompts[0], str):
-        prompts = [llm.encode_prompt(p) for p in prompts]
     llm.generate(prompts[:1], params)  # warm-up
     outs = llm.generate(prompts, params)
     s = llm.stats
     acc = [a for o in outs for a in o.accept_lengths]
-    return {"mode": mode, "budget": budget if mode == "tree" else None,
-            "name": f"tree-{budget}" if mode == "tree" else mode,
-            "tokens": s["tokens"], "seconds": s["seconds"], "tokens_per_s": s["tokens_per_s"],
+    name = f"tree-{budget}" if mode == "tree" else mode
+    if not params.greedy:
+        name += f" T={params.temperature:g}"
+    return {"mode": mode, "budget": budget if mode == "tree" else None, "name": name,
+            "temperature": params.temperature, "tokens": s["tokens"], "seconds": s["seconds"],
+            "tokens_per_s": s["tokens_per_s"], "steps": s["steps"],
             "mean_accept_len": s["mean_accept_len"], "accept_hist": dict(Counter(acc)),
-            "phase_seconds": s["phase_seconds"]}
+            "phase_seconds": s["phase_seconds"], "outputs": [o.token_ids for o in outs]}
+
+
+def run_transformers(model: Path, prompts: list[list[int]], new_tokens: int,
+                     lookup: int | None) -> dict[str, Any] | None:
+    """transformers' greedy generate (or prompt-lookup decoding) on the same checkpoint, one
+    prompt at a time, EOS ignored."""
+    try:
+        from transformers import DeepseekV3ForCausalLM
+    except ImportError:
+        print("transformers is not installed: skipping its rows (pip install -e '.[dev]')")
+        return None
+    hf = DeepseekV3ForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+    kw: dict[str, Any] = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                              do_sample=False, pad_token_id=0)
+    if lookup:
+        kw["prompt_lookup_num_tokens"] = lookup
+    outs = []
+    with torch.inference_mode():
+        hf.generate(torch.tensor([prompts[0]]), **{**kw, "max_new_tokens": 4,
+                                                   "min_new_tokens": 4})
+        t0 = time.perf_counter()
+        for p in prompts:
+            out = hf.generate(torch.tensor([p]), **kw)
+            outs.append(out[0, len(p):].tolist())
+        dt = time.perf_counter() - t0
+    n = sum(len(o) for o in outs)
+    name = f"hf-lookup-{lookup}" if lookup else "hf-generate"
+    return {"mode": name, "budget": None, "name": name, "temperature": 0.0, "tokens": n,
+            "seconds": dt, "tokens_per_s": n / dt, "steps": None, "mean_accept_len": None,
+            "accept_hist": {}, "phase_seconds": {}, "outputs": outs}
 
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m bench.spec", description=__doc__.split("\n")[0])
     ap.add_argument("--model")
     ap.add_argument("--draft")
+    ap.add_argument("--random", action="store_true", help="a tiny random pair instead")
     ap.add_argument("--budgets", type=int, nargs="+", default=[4, 8, 16, 32, 64])
     ap.add_argument("--prompts", type=int, default=8, help="number of held-out prompts")
     ap.add_argument("--max-new-tokens", type=int, default=64)
-    ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--sample-temperature", type=float, default=0.7,
+                    help="temperature of the sampled tree-16 row (0: skip it)")
+    ap.add_argument("--lookup", type=int, default=10, help="prompt_lookup_num_tokens")
+    ap.add_argument("--no-transformers", action="store_true", help="skip the transformers rows")
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="runs/bench")
     a = ap.parse_args(argv)
 
     tmp = None
-    if a.model:
-        model, draft = Path(a.model), Path(a.draft) if a.draft else None
-    elif (DEFAULT_MODEL / "config.json").is_file():
-        model, draft = DEFAULT_MODEL, DEFAULT_DRAFT
-    else:
+    if a.random:
         from engine.tools.make_draft import make_draft
         from engine.tools.make_tiny import make_tiny
 
         tmp = tempfile.TemporaryDirectory()
         model = make_tiny(Path(tmp.name) / "target", dtype="fp32", layers=2, hidden=128)
         draft = make_draft(model, Path(tmp.name) / "draft", layers=1, block_size=8)
-        print(f"no model given and none bundled: using a random tiny target at {model}")
-    params = SamplingParams(temperature=a.temperature, max_new_tokens=a.max_new_tokens,
-                            ignore_eos=True, seed=a.seed)
+        print(f"using a random tiny target at {model}")
+    else:
+        model = Path(a.model) if a.model else DEFAULT_MODEL
+        draft = Path(a.draft) if a.draft else (DEFAULT_DRAFT if not a.model else None)
+        if not (model / "config.json").is_file():
+            raise SystemExit(f"{model}: no model here (config.json missing); pass --model DIR "
+                             f"or --random")
     probe = LLM(model, mode="ar", progress=False)
-    prompts = held_out_prompts(probe, a.prompts, a.seed)
+    if probe.tokenizer is not None and model.resolve() == DEFAULT_MODEL.resolve():
+        from engine.tools.corpus import held_out_prompts
+
+        texts = held_out_prompts(a.prompts, a.seed)
+        prompts = [probe.encode_prompt(t) for t in texts]
+        source = "held-out corpus files"
+    else:
+        prompts = random_prompts(probe.models.target.cfg.vocab_size, a.prompts, a.seed)
+        source = "random token ids"
     del probe
-    runs = [("ar", 1), ("chain", 1)] + [("tree", b) for b in a.budgets]
+    print(f"{len(prompts)} prompts ({source}), {a.max_new_tokens} new tokens each, batch "
+          f"{a.batch}, {torch.get_num_threads()} threads", flush=True)
+    greedy = SamplingParams(max_new_tokens=a.max_new_tokens, ignore_eos=True, seed=a.seed)
+    runs: list[tuple[str, int, SamplingParams]] = [("ar", 1, greedy), ("chain", 1, greedy)]
+    runs += [("tree", b, greedy) for b in a.budgets]
+    if a.sample_temperature > 0:
+        hot = SamplingParams(temperature=a.sample_temperature, max_new_tokens=a.max_new_tokens,
+                             ignore_eos=True, seed=a.seed)
+        runs.append(("tree", 16, hot))
     rows = []
-    for mode, budget in runs:
+    for mode, budget, params in runs:
         r = run_one(model, draft, mode, budget, prompts, params, a.batch)
         rows.append(r)
-        print(f"  {r['name']:>8}: {r['tokens_per_s']:.1f} tokens/s, "
+        print(f"  {r['name']:>12}: {r['tokens_per_s']:.1f} tokens/s, "
               f"accepted {r['mean_accept_len']:.2f}", flush=True)
-    base = rows[0]["tokens_per_s"]
+    if not a.no_transformers:
+        for lookup in (None, a.lookup):
+            r = run_transformers(model, prompts, a.max_new_tokens, lookup)
+            if r is not None:
+                rows.append(r)
+                print(f"  {r['name']:>12}: {r['tokens_per_s']:.1f} tokens/s", flush=True)
+    ar = rows[0]
     for r in rows:
-        r["speedup_vs_ar"] = r["tokens_per_s"] / base
-        for k in ("draft", "build", "verify", "decide", "commit", "host"):
-            r[f"t_{k}"] = r["phase_seconds"].get(k, 0.0)
+        r["speedup_vs_ar"] = r["tokens_per_s"] / ar["tokens_per_s"]
+        r["same_as_ar"] = sum(o == g for o, g in zip(r["outputs"], ar["outputs"]))
+        r["accept"] = f"{r['mean_accept_len']:.2f}" if r["mean_accept_len"] else "-"
+        steps = r["steps"] or 0
+        for k in PHASES:
+            t = r["phase_seconds"].get(k, 0.0)
+            r[f"ms_{k}"] = 1000 * t / steps if steps else 0.0
+    trees = [r for r in rows if r["mode"] == "tree" and r["temperature"] == 0]
+    hf = next((r for r in rows if r["mode"] == "hf-generate"), None)
+    best = max(trees, key=lambda r: r["tokens_per_s"]) if trees else None
     print(table(rows, [("name", "run", "s"), ("tokens_per_s", "tok/s", ".1f"),
-                       ("speedup_vs_ar", "x ar", ".2f"), ("mean_accept_len", "accept", ".2f"),
-                       ("t_draft", "draft s", ".2f"), ("t_build", "build s", ".2f"),
-                       ("t_verify", "verify s", ".2f"), ("t_decide", "decide s", ".2f"),
-                       ("t_commit", "commit s", ".2f"), ("t_host", "host s", ".2f")]))
+                       ("speedup_vs_ar", "x ar", ".2f"), ("accept", "accept", "s"),
+                       ("same_as_ar", "= ar", "d"),
+                       ("ms_draft", "draft", ".2f"), ("ms_build", "build", ".2f"),
+                       ("ms_verify", "verify", ".2f"), ("ms_decide", "decide", ".2f"),
+                       ("ms_commit", "commit", ".2f"), ("ms_host", "host", ".2f"),
+                       ("ms_prefill+sched", "prefill", ".2f")]))
+    print("(phase columns: milliseconds per step; '= ar': outputs identical to our ar of "
+          f"{len(prompts)})")
+    summary: dict[str, Any] = {}
+    if best is not None:
+        summary = {"best_tree": best["name"], "best_vs_ar": best["speedup_vs_ar"]}
+        if hf is not None:
+            summary["best_vs_hf_generate"] = best["tokens_per_s"] / hf["tokens_per_s"]
+        t16 = next((r for r in trees if r["budget"] == 16), None)
+        chain = next(r for r in rows if r["mode"] == "chain")
+        if t16 is not None:
+            summary["accept_tree16"] = t16["mean_accept_len"]
+            summary["accept_tree16_vs_chain"] = t16["mean_accept_len"] / chain["mean_accept_len"]
+        hot = next((r for r in rows if r["mode"] == "tree" and r["temperature"] > 0), None)
+        if hot is not None:
+            summary["accept_tree16_sampled"] = hot["mean_accept_len"]
+        print("  ".join(f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}"
+                        for k, v in summary.items()))
 
     def plot(fig):
-        trees = [r for r in rows if r["mode"] == "tree"]
         ax1, ax2 = fig.add_subplot(1, 2, 1), fig.add_subplot(1, 2, 2)
         xs = [r["budget"] for r in trees]
         ax1.plot(xs, [r["speedup_vs_ar"] for r in trees], "o-", label="tree")
         ax1.axhline(rows[1]["speedup_vs_ar"], ls="--", color="gray", label="chain")
         ax1.axhline(1.0, ls=":", color="black", label="ar")
+        if hf is not None:
+            ax1.axhline(hf["speedup_vs_ar"], ls="-.", color="tab:green",
+                        label="transformers generate")
         ax1.set_xscale("log", base=2)
         ax1.set_xlabel("tree budget")
         ax1.set_ylabel("tokens/s vs ar")
@@ -110,15 +202,18 @@ def main(argv: list[str] | None = None) -> None:
         ax1b.plot(xs, [r["mean_accept_len"] for r in trees], "s-", color="tab:orange")
         ax1b.set_ylabel("mean accepted length", color="tab:orange")
         ax1.legend(loc="upper left")
-        best = max(trees, key=lambda r: r["tokens_per_s"])
-        hist = best["accept_hist"]
-        ks = sorted(hist)
-        ax2.bar(ks, [hist[k] for k in ks])
-        ax2.set_xlabel(f"tokens per step ({best['name']})")
-        ax2.set_ylabel("steps")
+        if best is not None:
+            hist = best["accept_hist"]
+            ks = sorted(hist)
+            ax2.bar(ks, [hist[k] for k in ks])
+            ax2.set_xlabel(f"tokens per step ({best['name']})")
+            ax2.set_ylabel("steps")
 
-    write_results("spec", {"model": str(model), "draft": str(draft), "env": environment("cpu"),
-                           "params": vars(a), "runs": rows}, plot, a.out)
+    for r in rows:
+        r.pop("accept")
+    write_results("spec", {"model": str(model), "draft": str(draft), "prompts": source,
+                           "env": environment("cpu"), "params": vars(a), "summary": summary,
+                           "runs": rows}, plot, a.out)
     if tmp is not None:
         tmp.cleanup()
 

@@ -90,13 +90,17 @@ class MoE(nn.Module):
         w13 = torch.stack([torch.cat([e.gate_proj.weight, e.up_proj.weight]) for e in self.experts])
         return w13, torch.stack([e.down_proj.weight for e in self.experts])
 
-    def forward(self, x: Tensor, sparse: bool = False) -> Tensor:
+    def forward(self, x: Tensor, sparse: bool = False, loads: list[Tensor] | None = None
+                ) -> Tensor:
+        """`loads`, when a list, receives this layer's tokens per expert (training)."""
         c = self.cfg
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
         logits = F.linear(x2.float(), self.gate.weight.float())
         idx, w = route_noaux_tc(logits, self.gate.e_score_correction_bias, c.num_experts_per_tok,
                                 c.n_group, c.topk_group, c.norm_topk_prob, c.routed_scaling_factor)
+        if loads is not None:
+            loads.append(torch.bincount(idx.reshape(-1), minlength=c.n_routed_experts).float())
         w13, w2 = self._stacks()
         y = (experts_sparse if sparse else experts_dense)(x2, idx, w, w13, w2)
         if self.shared_experts is not None:
@@ -178,9 +182,9 @@ class DecoderLayer(nn.Module):
         self.self_attn = MLA(cfg)
         self.mlp = MoE(cfg) if cfg.is_moe(i) else MLP(cfg.hidden_size, cfg.intermediate_size)
 
-    def ffn(self, h: Tensor, sparse: bool) -> Tensor:
+    def ffn(self, h: Tensor, sparse: bool, loads: list[Tensor] | None = None) -> Tensor:
         x = self.post_attention_layernorm(h)
-        return h + (self.mlp(x, sparse) if isinstance(self.mlp, MoE) else self.mlp(x))
+        return h + (self.mlp(x, sparse, loads) if isinstance(self.mlp, MoE) else self.mlp(x))
 
 
 class Backbone(nn.Module):
@@ -254,13 +258,15 @@ class KimiForCausalLM(nn.Module):
     def forward(
         self, input_ids: Tensor, aux_layers: Sequence[int] = (), sparse_moe: bool = False,
         logits_rows: Tensor | None = None, cache_rows_out: list[Tensor] | None = None,
+        expert_loads: list[Tensor] | None = None,
     ) -> tuple[Tensor, Tensor | None]:
         """Naive causal forward over `input_ids [B, T]` at positions `0..T-1`, no cache.
 
         Returns logits `[B, T, V]` (or only at `logits_rows [B, R]` when given) and the
         concatenated outputs of decoder layers `aux_layers` `[B, T, n * H]` (None if empty).
         When `cache_rows_out` is a list, each layer's latent cache rows `[B, T, R + P]` are
-        appended to it (the prefill path stores them in the paged cache).
+        appended to it (the prefill path stores them in the paged cache); `expert_loads` gets
+        each MoE layer's tokens per expert.
         """
         B, T = input_ids.shape
         pos = torch.arange(T, device=input_ids.device).expand(B, T)
@@ -271,7 +277,7 @@ class KimiForCausalLM(nn.Module):
             a, rows = layer.self_attn.forward_naive(layer.input_layernorm(h), cos, sin)
             if cache_rows_out is not None:
                 cache_rows_out.append(rows)
-            h = layer.ffn(h + a, sparse_moe)
+            h = layer.ffn(h + a, sparse_moe, expert_loads)
             if i in aux_layers:
                 aux.append(h)
         if logits_rows is not None:

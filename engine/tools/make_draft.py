@@ -36,8 +36,15 @@ def mask_token_for(target_dir: Path, cfg: ModelConfig) -> int:
 
 
 def draft_config(target_dir: Path, layers: int = 1, block_size: int = 8,
-                 num_target_features: int = 3) -> dict[str, Any]:
+                 num_target_features: int = 3,
+                 target_layer_ids: list[int] | None = None) -> dict[str, Any]:
     cfg = ModelConfig.from_dir(target_dir)
+    if target_layer_ids is None:
+        target_layer_ids = spread_layer_ids(cfg.num_hidden_layers, num_target_features)
+    bad = [i for i in target_layer_ids if not 0 <= i < cfg.num_hidden_layers]
+    if bad:
+        raise ValueError(f"target layer ids {bad} outside the target's "
+                         f"{cfg.num_hidden_layers} layers")
     H = cfg.hidden_size
     heads = max(1, cfg.num_attention_heads)
     head_dim = max(8, H // heads)
@@ -58,7 +65,7 @@ def draft_config(target_dir: Path, layers: int = 1, block_size: int = 8,
         "block_size": block_size,
         "num_target_layers": cfg.num_hidden_layers,
         "dflash_config": {
-            "target_layer_ids": spread_layer_ids(cfg.num_hidden_layers, num_target_features),
+            "target_layer_ids": sorted(target_layer_ids),
             "mask_token_id": mask_token_for(target_dir, cfg),
         },
         "torch_dtype": "bfloat16",
