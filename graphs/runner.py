@@ -3,7 +3,8 @@ dummy page, one CUDA graph per (batch size, greedy/sampling) on a GPU, the same 
 elsewhere.
 
 The runner knows nothing of what is inside the step: it copies per-step inputs into the
-buffers, replays (or calls) the step, and reads back the small decision tensors.
+buffers, lets an optional attention planner prepare its kernel metadata (host side), replays
+(or calls) the step, and reads back the small decision tensors.
 """
 
 from __future__ import annotations
@@ -11,17 +12,24 @@ from __future__ import annotations
 import gc
 import time
 from collections import defaultdict
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from typing import Any
 
 import torch
 
 from engine.kv_cache import DUMMY_PAGE, KVPool
 from engine.request import Request
 from engine.spec import Models, StepBuffers, StepShape, spec_step
+from graphs.policy import budgets_for_sizes
+
+# Called before every step and every capture, outside the graph, with the buffers the step is
+# about to read (a kernel backend plans its metadata from `page_table` and `cache_len` here).
+Planner = Callable[[StepBuffers, StepShape], None]
 
 
 def default_capture_sizes(max_batch_size: int) -> list[int]:
+    """1, 2, 4, 8, 16, 24, 32, then steps of 16, up to and including `max_batch_size`."""
     sizes = [s for s in (1, 2, 4, 8, 16, 24, 32) if s < max_batch_size]
     s = 48
     while s < max_batch_size:
@@ -52,33 +60,64 @@ class PhaseTimer:
 
 
 class CaptureError(RuntimeError):
-    pass
+    """Capturing a step graph failed; the message names the knobs that size the graphs."""
 
 
 class StepGraphRunner:
+    """One step function, many batch sizes.
+
+    `budgets` (optional, tree mode) is a budget policy `{batch size: tree budget}` (see
+    `graphs.policy`), spread over the capture sizes; without one every size uses
+    `shape.budget`. Every graph of one size shares one budget, so each size's shapes stay fixed.
+    """
+
     def __init__(
         self, models: Models, pool: KVPool, shape: StepShape, *, max_batch_size: int,
         max_pages: int, capture_sizes: Sequence[int] | None = None, use_graphs: bool | None = None,
-        timer: PhaseTimer | None = None,
+        timer: PhaseTimer | None = None, budgets: Mapping[int, int] | None = None,
+        planner: Planner | None = None,
     ):
         self.models, self.pool = models, pool
-        self.shapes = {s: StepShape(shape.mode, shape.budget, shape.block_size, s)
-                       for s in (False, True)}
         self.max_pages = max_pages
+        self.max_batch_size = max_batch_size
         self.device = pool.target.device
-        self.capture_sizes = sorted(capture_sizes or default_capture_sizes(max_batch_size))
+        self.capture_sizes = sorted(set(capture_sizes or default_capture_sizes(max_batch_size)))
         if self.capture_sizes[-1] < max_batch_size:
             raise ValueError(f"capture sizes {self.capture_sizes} do not reach max_batch_size "
                              f"{max_batch_size}")
         self.use_graphs = (self.device.type == "cuda") if use_graphs is None else use_graphs
+        if self.use_graphs and self.device.type != "cuda":
+            raise ValueError(f"CUDA graphs need a CUDA device; the KV pool is on {self.device}")
         self.timer = timer or PhaseTimer()
-        self.buffers = {bs: StepBuffers.allocate(bs, max_pages, shape, models.target, self.device)
+        self.planner = planner
+        spread = budgets_for_sizes(budgets, self.capture_sizes) if budgets else {}
+        self.budgets = {bs: self._budget_for(bs, shape, spread) for bs in self.capture_sizes}
+        self.shapes = {(bs, s): StepShape(shape.mode, self.budgets[bs], shape.block_size, s)
+                       for bs in self.capture_sizes for s in (False, True)}
+        self.buffers = {bs: StepBuffers.allocate(bs, max_pages, self.shapes[(bs, False)],
+                                                 models.target, self.device)
                         for bs in self.capture_sizes}
-        self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
+        for buf in self.buffers.values():
+            self._fill_padding(buf, 0)
+        self.graphs: dict[tuple[int, bool], Any] = {}
+        # (batch size, sampling) -> {"seconds": capture wall time, "bytes": pool growth}
+        self.capture_stats: dict[tuple[int, bool], dict[str, float]] = {}
+
+    @staticmethod
+    def _budget_for(bs: int, shape: StepShape, budgets: Mapping[int, int] | None) -> int:
+        if shape.mode != "tree" or not budgets or bs not in budgets:
+            return shape.budget
+        b = int(budgets[bs])
+        if b < 1:
+            raise ValueError(f"budget policy: batch size {bs} has budget {b}; must be >= 1")
+        return b
 
     @property
     def shape(self) -> StepShape:
-        return self.shapes[False]
+        """The greedy shape that can emit the most tokens per step: callers size page
+        reservations (`max_emit`) from it, so it must cover every batch size's shape."""
+        return max((self.shapes[(bs, False)] for bs in self.capture_sizes),
+                   key=lambda s: (s.max_emit, s.budget))
 
     def padded_size(self, b: int) -> int:
         for s in self.capture_sizes:
@@ -89,36 +128,62 @@ class StepGraphRunner:
 
     # ---- capture ---------------------------------------------------------------------------------
 
+    def _knobs(self, bs: int) -> str:
+        return (f"max batch size {self.max_batch_size} (--max-batch-size), tree budget "
+                f"{self.budgets[bs]} at this size (--budget or the budget policy), KV pool of "
+                f"{self.pool.num_pages} pages (--kv-pages / the KV memory fraction)")
+
+    def _new_pool(self) -> Any:
+        return torch.cuda.graph_pool_handle()
+
+    def _capture_one(self, bs: int, sample: bool, mem_pool: Any) -> Any:
+        """Warm up twice on a side stream, then capture one graph into `mem_pool`."""
+        buf, shape = self.buffers[bs], self.shapes[(bs, sample)]
+        self._fill_padding(buf, 0)
+        if self.planner is not None:
+            self.planner(buf, shape)
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):  # warm-ups: lazy inits, JIT loads, allocator, kernel selection
+                spec_step(self.models, self.pool, buf, shape)
+        torch.cuda.current_stream().wait_stream(stream)
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, pool=mem_pool):
+            spec_step(self.models, self.pool, buf, shape)
+        return g
+
+    def _reserved(self) -> int:
+        return torch.cuda.memory_reserved(self.device) if self.device.type == "cuda" else 0
+
     def capture(self, progress: bool = True) -> None:
-        """Capture every (batch size, greedy/sampling) graph, largest first into one pool."""
+        """Capture every (batch size, greedy/sampling) graph, largest first into one pool.
+
+        NOTE: largest first, so the shared pool is sized by the biggest graph and the smaller
+        ones reuse its blocks; the warm-ups write only to the dummy page (every row is padding).
+        """
         if not self.use_graphs:
             return
         from tqdm import tqdm
 
-        mem_pool = torch.cuda.graph_pool_handle()
         todo = [(bs, s) for bs in sorted(self.capture_sizes, reverse=True) for s in (False, True)]
         gc.collect()
         gc.freeze()
+        bs = todo[0][0]
         try:
+            mem_pool = self._new_pool()
             for bs, sample in tqdm(todo, desc="capturing step graphs", disable=not progress):
-                buf, shape = self.buffers[bs], self.shapes[sample]
-                self._fill_padding(buf, 0)
-                try:
-                    stream = torch.cuda.Stream()
-                    stream.wait_stream(torch.cuda.current_stream())
-                    with torch.cuda.stream(stream):
-                        for _ in range(2):  # warm-ups: lazy inits, allocator, kernel selection
-                            spec_step(self.models, self.pool, buf, shape)
-                    torch.cuda.current_stream().wait_stream(stream)
-                    g = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(g, pool=mem_pool):
-                        spec_step(self.models, self.pool, buf, shape)
-                    self.graphs[(bs, sample)] = g
-                except Exception as e:
-                    raise CaptureError(
-                        f"capturing the step at batch size {bs} (budget {shape.budget}, mode "
-                        f"{shape.mode}) failed: {e}. Lower --max-batch-size or --budget, or "
-                        f"the KV memory fraction, and retry.") from e
+                t0, m0 = time.perf_counter(), self._reserved()
+                self.graphs[(bs, sample)] = self._capture_one(bs, sample, mem_pool)
+                self.capture_stats[(bs, sample)] = {
+                    "seconds": time.perf_counter() - t0, "bytes": self._reserved() - m0}
+        except Exception as e:
+            shape = self.shapes[(bs, False)]
+            raise CaptureError(
+                f"capturing the {shape.mode} step at batch size {bs} failed: "
+                f"{type(e).__name__}: {e}. Graph size is set by {self._knobs(bs)}; lower one "
+                f"(or leave more GPU memory outside the KV pool) and retry.") from e
         finally:
             gc.unfreeze()
 
@@ -136,44 +201,65 @@ class StepGraphRunner:
         buf.coins[start:] = 0.0
         buf.final_coins[start:] = 0.0
 
+    def load(self, reqs: Sequence[Request], pad: bool = True
+             ) -> tuple[StepBuffers, StepShape, int]:
+        """Copy the per-step inputs of `reqs` into the static buffers (padding rows included).
+        Returns the buffers the step reads, its shape, and the page-table width it uses."""
+        b = len(reqs)
+        if b == 0:
+            raise ValueError("a step needs at least one request")
+        size = self.padded_size(b)
+        bp = size if (pad or self.use_graphs) else b
+        buf = self.buffers[size].rows(bp)
+        N = buf.coins.shape[1]
+        shape = self.shapes[(size, any(not r.params.greedy for r in reqs))]
+        width = self.max_pages
+        if not self.use_graphs:
+            # Eager: gather only as much context as this batch has (a graph needs the full
+            # fixed width instead).
+            need = max(len(r.pages) for r in reqs)
+            width = min(self.max_pages, -(-need // 8) * 8)
+        pt = torch.full((b, width), DUMMY_PAGE, dtype=torch.int64)
+        for i, r in enumerate(reqs):
+            if len(r.pages) > self.max_pages:
+                raise ValueError(f"request {r.rid} holds {len(r.pages)} pages; the step's page "
+                                 f"table has {self.max_pages}")
+            pt[i, :len(r.pages)] = torch.tensor(r.pages, dtype=torch.int64)
+        coins = torch.stack([r.coins(N + 1) for r in reqs])
+        p = [r.params for r in reqs]
+        buf.anchor[:b] = torch.tensor([r.anchor for r in reqs])
+        buf.cache_len[:b] = torch.tensor([r.cache_len for r in reqs])
+        buf.page_table[:b] = DUMMY_PAGE
+        buf.page_table[:b, :width] = pt
+        buf.temperature[:b] = torch.tensor([x.temperature if not x.greedy else 1.0 for x in p])
+        buf.top_k[:b] = torch.tensor([1 if x.greedy else max(x.top_k, 0) for x in p])
+        buf.top_p[:b] = torch.tensor([1.0 if x.greedy else x.top_p for x in p])
+        buf.coins[:b] = coins[:, :N]
+        buf.final_coins[:b] = coins[:, N]
+        self._fill_padding(buf, b)
+        return buf, shape, width
+
+    def run_loaded(self, buf: StepBuffers, shape: StepShape, width: int) -> None:
+        """Run the step over buffers filled by `load` (replay on a GPU, eager elsewhere)."""
+        if self.planner is not None:
+            with self.timer("plan"):
+                self.planner(buf, shape)
+        if self.use_graphs:
+            with self.timer("step"):
+                self.graphs[(buf.anchor.shape[0], shape.sample)].replay()
+        else:
+            view = StepBuffers(**{**buf.__dict__, "page_table": buf.page_table[:, :width]})
+            spec_step(self.models, self.pool, view, shape, self.timer)
+
     def step(self, reqs: Sequence[Request], pad: bool = True) -> tuple[list[list[int]], list[int]]:
         """Run one step for `reqs` (each must own pages up to `cache_len + S`). Returns the
         emitted tokens and accepted-draft counts per request."""
         b = len(reqs)
-        bp = self.padded_size(b) if (pad or self.use_graphs) else b
-        full = self.buffers[self.padded_size(b)]
-        buf = full.rows(bp)
-        N = buf.coins.shape[1]
-        sample = any(not r.params.greedy for r in reqs)
         with self.timer("host"):
-            width = self.max_pages
-            if not self.use_graphs:
-                # Eager: gather only as much context as this batch has (a graph needs the
-                # full fixed width instead).
-                need = max(len(r.pages) for r in reqs)
-                width = min(self.max_pages, -(-need // 8) * 8)
-            pt = torch.full((b, width), DUMMY_PAGE, dtype=torch.int64)
-            for i, r in enumerate(reqs):
-                pt[i, :len(r.pages)] = torch.tensor(r.pages[:width])
-            coins = torch.stack([r.coins(N + 1) for r in reqs])
-            p = [r.params for r in reqs]
-            buf.anchor[:b] = torch.tensor([r.anchor for r in reqs])
-            buf.cache_len[:b] = torch.tensor([r.cache_len for r in reqs])
-            buf.page_table[:b] = DUMMY_PAGE
-            buf.page_table[:b, :width] = pt
-            buf.temperature[:b] = torch.tensor([x.temperature if not x.greedy else 1.0 for x in p])
-            buf.top_k[:b] = torch.tensor([1 if x.greedy else max(x.top_k, 0) for x in p])
-            buf.top_p[:b] = torch.tensor([1.0 if x.greedy else x.top_p for x in p])
-            buf.coins[:b] = coins[:, :N]
-            buf.final_coins[:b] = coins[:, N]
-            self._fill_padding(buf, b)
-        if self.use_graphs:
-            with self.timer("step"):
-                self.graphs[(bp, sample)].replay()
-        else:
-            view = StepBuffers(**{**buf.__dict__, "page_table": buf.page_table[:, :width]})
-            spec_step(self.models, self.pool, view, self.shapes[sample], self.timer)
+            buf, shape, width = self.load(reqs, pad)
+        self.run_loaded(buf, shape, width)
         with self.timer("host"):
+            # NOTE: the only device-to-host copy of a step: the small decision tensors.
             out = torch.cat([buf.accept_len[:b, None], buf.emit[:b]], dim=1).cpu()
         accept = out[:, 0].tolist()
         emit = out[:, 1:].tolist()

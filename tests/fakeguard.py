@@ -6,6 +6,7 @@ A `FakeTensorMode` without a shape environment refuses `.item()`, `.tolist()`, `
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from collections.abc import Callable
 from typing import Any
@@ -14,10 +15,26 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 
+def fake_module(mode: FakeTensorMode, module: torch.nn.Module) -> torch.nn.Module:
+    """A copy of `module` whose parameters, buffers and plain tensor attributes (such as stacked
+    expert weights) are fake. Views stay views of the same fake storage, so tied or packed
+    weights keep their sharing."""
+    fake = copy.deepcopy(module)
+    for m in fake.modules():
+        for store in (m._parameters, m._buffers, m.__dict__):
+            for name, t in list(store.items()):
+                if isinstance(t, torch.Tensor):
+                    store[name] = mode.from_tensor(t)
+    return fake
+
+
 def to_fake(mode: FakeTensorMode, obj: Any) -> Any:
-    """`obj` with every tensor inside (dataclasses, tuples, lists, dicts) replaced by a fake one."""
+    """`obj` with every tensor inside (modules, dataclasses, tuples, lists, dicts) replaced by a
+    fake one."""
     if isinstance(obj, torch.Tensor):
         return mode.from_tensor(obj)
+    if isinstance(obj, torch.nn.Module):
+        return fake_module(mode, obj)
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         fields = {f.name: to_fake(mode, getattr(obj, f.name)) for f in dataclasses.fields(obj)}
         return dataclasses.replace(obj, **fields)

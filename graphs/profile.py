@@ -1,0 +1,356 @@
+"""Profile the captured spec step per batch size.
+
+    python -m graphs.profile [--model DIR --draft DIR] [--batch-sizes 1,2,4,8] [--budget 16]
+        [--mode tree|chain|ar] [--steps N] [--prompt-len T] [--temperature T] [--device cuda]
+        [--output runs/profile/profile.json] [--tune --tune-budgets 4,8,16,32,64
+        --policy-out configs/budgets.toml]
+
+For each batch size: capture time, graph memory, replay latency against the eager latency of the
+same step, time per phase (eager, synchronized at phase edges), tokens per step, and GPU
+telemetry from NVML. Each batch runs real requests (random prompts of `--prompt-len` tokens,
+prefilled) through the runner; the eager and the replayed runs start from the same state and
+must emit the same tokens. Without CUDA it profiles the eager step on the CPU and says so.
+
+`--tune` measures accepted length and step time per (batch size, budget) and writes the budget
+policy table (`graphs.policy`) that maximizes tokens per second at each batch size.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from engine.config import SamplingParams
+from engine.kv_cache import KVPool, pages_needed
+from engine.request import Request
+from engine.spec import Models, StepShape
+from graphs.policy import DEFAULT_POLICY, write_budgets
+from graphs.runner import CaptureError, PhaseTimer, StepGraphRunner
+from graphs.telemetry import Telemetry
+
+PHASES = ("draft", "build", "verify", "decide", "commit")
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+          "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+NO_GRAPHS = "CUDA graphs need CUDA: this profiles the eager step (no capture, no replay)"
+
+
+def _ints(s: str) -> list[int]:
+    try:
+        out = sorted({int(x) for x in s.split(",") if x.strip()})
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {s!r}") from e
+    if not out or out[0] < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {s!r}")
+    return out
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m graphs.profile",
+                                 description=__doc__.split("\n")[0])
+    ap.add_argument("--model", help="target checkpoint dir (default: the bundled model)")
+    ap.add_argument("--draft", help="DFlash drafter dir (default: the bundled drafter)")
+    ap.add_argument("--mode", choices=("tree", "chain", "ar"), default="tree")
+    ap.add_argument("--budget", type=int, default=16, help="tree nodes besides the root")
+    ap.add_argument("--batch-sizes", type=_ints, default=[1, 2, 4, 8],
+                    help="comma-separated batch sizes, each captured and profiled")
+    ap.add_argument("--steps", type=int, default=8, help="timed steps per batch size and path")
+    ap.add_argument("--warmup", type=int, default=2, help="untimed steps before timing")
+    ap.add_argument("--prompt-len", type=int, default=32, help="prefilled tokens per request")
+    ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy graphs")
+    ap.add_argument("--page-size", type=int, default=16)
+    ap.add_argument("--device", choices=("cpu", "cuda"), default=None,
+                    help="default: cuda when available")
+    ap.add_argument("--dtype", choices=sorted(DTYPES), default=None,
+                    help="default: bfloat16 on cuda, float32 on cpu")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="CPU intra-op threads (default on cpu: 1; the step's ops are small and "
+                         "extra threads mostly spin)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--output", default="runs/profile/profile.json", help="JSON results")
+    ap.add_argument("--tune", action="store_true",
+                    help="measure every (batch size, budget) and write the budget policy")
+    ap.add_argument("--tune-budgets", type=_ints, default=[4, 8, 16, 32, 64])
+    ap.add_argument("--policy-out", default=str(DEFAULT_POLICY),
+                    help="where --tune writes the budget table")
+    ap.add_argument("--no-progress", action="store_true")
+    return ap
+
+
+# ---- setup ----------------------------------------------------------------------------------
+
+
+class Bench:
+    """Models, one pool for the largest batch, and request factories."""
+
+    def __init__(self, a: argparse.Namespace, device: torch.device, dtype: torch.dtype):
+        from engine.llm import DEFAULT_DRAFT, DEFAULT_MODEL
+        from engine.models.dflash import DFlashDrafter
+        from engine.models.kimi import KimiForCausalLM
+
+        model = Path(a.model) if a.model else DEFAULT_MODEL
+        draft = Path(a.draft) if a.draft else (DEFAULT_DRAFT if not a.model else None)
+        if not (model / "config.json").is_file():
+            raise FileNotFoundError(
+                f"{model}: no model here (config.json missing). Pass --model DIR, or write a "
+                f"small random one with `python -m engine.tools.make_tiny --out DIR`.")
+        if a.mode != "ar" and (draft is None or not (draft / "config.json").is_file()):
+            raise FileNotFoundError(
+                f"mode {a.mode!r} needs a drafter: {draft or '(none given)'} has no config.json. "
+                f"Pass --draft DIR (`python -m engine.tools.make_draft --target DIR --out DIR`) "
+                f"or use --mode ar.")
+        self.model_dir, self.draft_dir = model, draft
+        self.device, self.dtype = device, dtype
+        target = KimiForCausalLM.from_dir(model, device, dtype, progress=not a.no_progress)
+        drafter = (DFlashDrafter.from_dir(draft, target.cfg.hidden_size, device, dtype)
+                   if a.mode != "ar" else None)
+        self.models = Models(target, drafter)
+        self.a = a
+        self.block = drafter.c.block_size if drafter else 2
+        budgets = a.tune_budgets if a.tune else []
+        top = StepShape(a.mode, max([a.budget, *budgets]), self.block, False)
+        self.span = top.max_emit
+        # every request holds its prompt plus every step a profile may run, warm-ups included
+        self.tokens = a.prompt_len + (a.warmup + a.steps + 2) * self.span
+        self.max_pages = pages_needed(self.tokens, a.page_size)
+        c = target.cfg
+        if self.tokens > c.max_position_embeddings:
+            raise ValueError(f"--prompt-len {a.prompt_len} plus {a.steps} steps exceeds the "
+                             f"model's {c.max_position_embeddings} positions")
+        self.pool = KVPool.allocate(
+            page_size=a.page_size, num_pages=1 + max(a.batch_sizes) * self.max_pages,
+            target_layers=c.num_hidden_layers, target_dim=c.kv_cache_dim,
+            draft_layers=drafter.c.num_hidden_layers if drafter else 0,
+            draft_dim=drafter.c.kv_dim if drafter else 0, dtype=dtype, device=device)
+        g = torch.Generator().manual_seed(a.seed)
+        self.prompts = torch.randint(0, c.vocab_size, (max(a.batch_sizes), a.prompt_len),
+                                     generator=g).tolist()
+
+    def shape(self, budget: int) -> StepShape:
+        return StepShape(self.a.mode, budget, self.block, False)
+
+    def runner(self, sizes: list[int], budgets: dict[int, int] | None = None,
+               use_graphs: bool = False) -> StepGraphRunner:
+        return StepGraphRunner(self.models, self.pool, self.shape(self.a.budget),
+                               max_batch_size=max(sizes), max_pages=self.max_pages,
+                               capture_sizes=sizes, use_graphs=use_graphs, budgets=budgets)
+
+    def requests(self, bs: int, runner: StepGraphRunner) -> list[Request]:
+        """`bs` prefilled requests on fresh pages (the pool is reused batch after batch)."""
+        from engine.scheduler import Scheduler
+
+        a = self.a
+        params = SamplingParams(temperature=a.temperature, seed=a.seed, max_new_tokens=1 << 20)
+        # a fresh scheduler (and allocator) per batch: the pool is reused batch after batch
+        sch = Scheduler(self.models, self.pool, runner, max_batch_size=bs,
+                        max_model_len=self.tokens + self.span)
+        reqs = []
+        for i in range(bs):
+            r = Request(i, list(self.prompts[i]), SamplingParams(**{**params.__dict__,
+                                                                    "seed": a.seed + i}))
+            r.output_ids += sch.prefill(r)
+            sch._grow(r, self.tokens)
+            reqs.append(r)
+        return reqs
+
+
+def _snapshot(reqs: list[Request]) -> list[Request]:
+    out = []
+    for r in reqs:
+        c = Request(r.rid, list(r.prompt_ids), r.params)
+        c.output_ids, c.pages, c.cache_len = list(r.output_ids), list(r.pages), r.cache_len
+        out.append(c)
+    return out
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def _run(runner: StepGraphRunner, reqs: list[Request], warmup: int, steps: int,
+         device: torch.device) -> dict[str, Any]:
+    """Advance `reqs` through `warmup + steps` steps; time the last `steps`."""
+    times, tokens, emitted = [], 0, []
+    runner.timer.totals.clear()
+    for i in range(warmup + steps):
+        if i == warmup:
+            runner.timer.totals.clear()
+        _sync(device)
+        t0 = time.perf_counter()
+        out, acc = runner.step(reqs)
+        dt = time.perf_counter() - t0
+        for r, toks, a in zip(reqs, out, acc):
+            r.cache_len += a + 1
+            r.output_ids += toks
+        emitted.append(out)
+        if i >= warmup:
+            times.append(dt)
+            tokens += sum(len(t) for t in out)
+    return {"median_s": statistics.median(times), "total_s": sum(times), "tokens": tokens,
+            "emitted": emitted, "phases": dict(runner.timer.totals)}
+
+
+def profile_size(bench: Bench, bs: int, budget: int, graphs: bool, tel: Telemetry
+                 ) -> dict[str, Any]:
+    """Eager (phase-timed) and, on CUDA, captured runs of one batch size at one budget."""
+    a, dev = bench.a, bench.device
+    runner = bench.runner([bs], {bs: budget}, use_graphs=False)
+    # NOTE: both runs start from this state with fresh coin streams, so they must agree.
+    start = _snapshot(bench.requests(bs, runner))
+    runner.timer = PhaseTimer(sync=dev.type == "cuda")
+    eager = _run(runner, _snapshot(start), a.warmup, a.steps, dev)
+    row: dict[str, Any] = {
+        "batch_size": bs, "budget": runner.budgets[bs] if a.mode == "tree" else None,
+        "nodes": runner.shape.num_nodes,
+        "eager_ms": eager["median_s"] * 1e3,
+        "phase_ms": {k: eager["phases"].get(k, 0.0) * 1e3 / a.steps for k in (*PHASES, "host")},
+        "tokens_per_step": eager["tokens"] / (a.steps * bs),
+        "capture_s": None, "graph_bytes": None, "replay_ms": None, "speedup": None,
+        "replay_matches_eager": None,
+    }
+    best = eager
+    if graphs:
+        g = bench.runner([bs], {bs: budget}, use_graphs=True)
+        try:
+            g.capture(progress=False)
+            stats = [g.capture_stats[(bs, s)] for s in (False, True)]
+            row["capture_s"] = sum(s["seconds"] for s in stats)
+            row["graph_bytes"] = sum(s["bytes"] for s in stats)
+            with tel.sampler() as smp:
+                replay = _run(g, _snapshot(start), a.warmup, a.steps, dev)
+            row["replay_ms"] = replay["median_s"] * 1e3
+            row["speedup"] = eager["median_s"] / replay["median_s"]
+            row["replay_matches_eager"] = replay["emitted"] == eager["emitted"]
+            row.update(smp.summary(replay["total_s"], replay["tokens"]))
+            best = replay
+        finally:
+            del g
+            gc.collect()
+            torch.cuda.empty_cache()
+    row["tokens_per_s"] = best["tokens"] / best["total_s"]
+    return row
+
+
+# ---- output -----------------------------------------------------------------------------------
+
+
+def _f(x: Any, fmt: str, width: int) -> str:
+    return f"{'-':>{width}}" if x is None else f"{x:{width}{fmt}}"
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    head = (f"{'bs':>4} {'budget':>6} {'capture s':>9} {'graph MiB':>9} {'eager ms':>9} "
+            f"{'replay ms':>9} {'x eager':>7} {'tok/step':>8} {'tok/s':>9} "
+            + " ".join(f"{p + ' ms':>9}" for p in PHASES) + f" {'J/tok':>7}")
+    lines = [head]
+    for r in rows:
+        mib = None if r["graph_bytes"] is None else r["graph_bytes"] / 2**20
+        lines.append(
+            f"{r['batch_size']:>4} {_f(r['budget'], 'd', 6)} {_f(r['capture_s'], '.2f', 9)} "
+            f"{_f(mib, '.1f', 9)} {r['eager_ms']:9.2f} {_f(r['replay_ms'], '.2f', 9)} "
+            f"{_f(r['speedup'], '.2f', 7)} {r['tokens_per_step']:8.2f} {r['tokens_per_s']:9.1f} "
+            + " ".join(f"{r['phase_ms'][p]:9.2f}" for p in PHASES)
+            + f" {_f(r.get('joules_per_token'), '.3f', 7)}")
+    return "\n".join(lines)
+
+
+def tune(bench: Bench, graphs: bool, tel: Telemetry, progress: bool) -> list[dict[str, Any]]:
+    from tqdm import tqdm
+
+    a = bench.a
+    todo = [(bs, b) for bs in a.batch_sizes for b in a.tune_budgets]
+    out = []
+    for bs, b in tqdm(todo, desc="tuning budgets", disable=not progress):
+        r = profile_size(bench, bs, b, graphs, tel)
+        ms = r["replay_ms"] if r["replay_ms"] is not None else r["eager_ms"]
+        out.append({"batch_size": bs, "budget": b, "accept": r["tokens_per_step"],
+                    "step_ms": ms, "tokens_per_s": r["tokens_per_s"]})
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = build_parser().parse_args(argv)
+    if a.mode != "tree" and a.tune:
+        print("error: --tune chooses tree budgets; use --mode tree", file=sys.stderr)
+        return 2
+    if a.steps < 1 or a.prompt_len < 1 or a.budget < 1:
+        print("error: --steps, --prompt-len and --budget must be >= 1", file=sys.stderr)
+        return 2
+    cuda = torch.cuda.is_available()
+    device = torch.device(a.device or ("cuda" if cuda else "cpu"))
+    if device.type == "cuda" and not cuda:
+        print("error: --device cuda, but CUDA is not available", file=sys.stderr)
+        return 2
+    dtype = DTYPES[a.dtype or ("bfloat16" if device.type == "cuda" else "float32")]
+    graphs = device.type == "cuda"
+    progress = not a.no_progress
+    if a.threads or device.type == "cpu":
+        torch.set_num_threads(a.threads or 1)
+    try:
+        bench = Bench(a, device, dtype)
+    except (FileNotFoundError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    tel = Telemetry(device.index or 0, enabled=graphs)
+    if not graphs:
+        print(f"note: {NO_GRAPHS}.", file=sys.stderr)
+    from tqdm import tqdm
+
+    rows = []
+    try:
+        for bs in tqdm(a.batch_sizes, desc="profiling batch sizes", disable=not progress):
+            rows.append(profile_size(bench, bs, a.budget, graphs, tel))
+        tuned = tune(bench, graphs, tel, progress) if a.tune else []
+    except CaptureError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    result: dict[str, Any] = {
+        "model": str(bench.model_dir), "draft": str(bench.draft_dir) if bench.draft_dir else None,
+        "mode": a.mode, "budget": a.budget, "device": str(device), "dtype": str(dtype),
+        "graphs": graphs, "note": None if graphs else NO_GRAPHS,
+        "prompt_len": a.prompt_len, "steps": a.steps, "temperature": a.temperature,
+        "torch": torch.__version__, "gpu": tel.static(), "results": rows,
+    }
+    if a.tune:
+        best: dict[int, dict[str, Any]] = {}
+        for m in tuned:
+            if m["batch_size"] not in best or m["tokens_per_s"] > best[m["batch_size"]][
+                    "tokens_per_s"]:
+                best[m["batch_size"]] = m
+        policy = {bs: m["budget"] for bs, m in best.items()}
+        path = write_budgets(a.policy_out, policy, tuned, note=(
+            f"model {bench.model_dir}, drafter {bench.draft_dir}, {device} {dtype}, "
+            f"{'graph replay' if graphs else 'eager'} step time"))
+        result["tune"] = tuned
+        result["policy"] = {"path": str(path), "budgets": policy}
+    tel.close()
+    out = Path(a.output)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    sys.stderr.flush()
+    print(table(rows))
+    if not graphs:
+        print(f"({NO_GRAPHS}; {tel.reason})")
+    elif not tel.available:
+        print(f"({tel.reason})")
+    else:
+        s = result["gpu"]
+        print(f"({s.get('name')}, SM clock {s.get('sm_clock_mhz')} MHz, PCIe gen "
+              f"{s.get('pcie_gen')} x{s.get('pcie_width')}, NVLink links up "
+              f"{s.get('nvlink_active_links')})")
+    if a.tune:
+        print(f"budget policy {result['policy']['budgets']} -> {result['policy']['path']}")
+    print(f"wrote {out}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,119 @@
+"""Small engines for the graph-runner tests: a tiny target and drafter, a pool, prefilled
+requests, and pool snapshots (on any device)."""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from engine.config import SamplingParams
+from engine.kv_cache import KVPool, pages_needed
+from engine.models.dflash import DFlashDrafter
+from engine.models.kimi import KimiForCausalLM
+from engine.request import Request
+from engine.scheduler import Scheduler
+from engine.spec import Models, StepShape
+from engine.tools.make_draft import make_draft
+from engine.tools.make_tiny import make_tiny
+from graphs.runner import StepGraphRunner
+
+BLOCK = 4
+PAGE = 4
+MAX_LEN = 64
+
+
+def write_pair(root: Path, block_size: int = BLOCK) -> tuple[Path, Path]:
+    t, d = root / "tiny", root / "tiny-dflash"
+    if not (t / "config.json").is_file():
+        make_tiny(t, dtype="fp32", seed=5)
+        make_draft(t, d, layers=1, block_size=block_size, seed=6)
+    return t, d
+
+
+def load_models(target: Path, draft: Path, device: str = "cpu") -> Models:
+    tm = KimiForCausalLM.from_dir(target, device, progress=False)
+    return Models(tm, DFlashDrafter.from_dir(draft, tm.cfg.hidden_size, device))
+
+
+def max_pages_for(shape: StepShape) -> int:
+    return pages_needed(MAX_LEN + shape.max_emit, PAGE)
+
+
+def make_pool(models: Models, num_pages: int = 64, device: str = "cpu") -> KVPool:
+    c, d = models.target.cfg, models.drafter
+    return KVPool.allocate(page_size=PAGE, num_pages=num_pages, target_layers=c.num_hidden_layers,
+                           target_dim=c.kv_cache_dim, draft_layers=d.c.num_hidden_layers,
+                           draft_dim=d.c.kv_dim, device=device)
+
+
+def clone_pool(pool: KVPool) -> KVPool:
+    return KVPool(pool.page_size, pool.num_pages, pool.target.clone(),
+                  None if pool.draft is None else pool.draft.clone())
+
+
+def runner_for(models: Models, pool: KVPool, shape: StepShape, sizes: list[int],
+               **kw) -> StepGraphRunner:
+    return StepGraphRunner(models, pool, shape, max_batch_size=max(sizes),
+                           max_pages=max_pages_for(shape), capture_sizes=sizes, **kw)
+
+
+def prefilled(models: Models, pool: KVPool, shape: StepShape, prompts: list[list[int]],
+              params: list[SamplingParams], steps: int = 2) -> list[Request]:
+    """Requests whose prompts are prefilled into `pool`, each owning pages for `steps` more
+    steps (the first token comes from the prefill)."""
+    runner = runner_for(models, pool, shape, [len(prompts)])
+    sch = Scheduler(models, pool, runner, max_batch_size=len(prompts), max_model_len=MAX_LEN)
+    reqs = []
+    for i, (p, sp) in enumerate(zip(prompts, params)):
+        r = Request(i, list(p), sp)
+        r.output_ids += sch.prefill(r)
+        sch._grow(r, r.cache_len + steps * shape.max_emit)
+        reqs.append(r)
+    return reqs
+
+
+def fresh_copies(reqs: list[Request]) -> list[Request]:
+    """Same state, coin streams restarted from each request's seed (so runs draw equal coins)."""
+    out = []
+    for r in reqs:
+        c = Request(r.rid, list(r.prompt_ids), r.params)
+        c.output_ids, c.pages, c.cache_len = list(r.output_ids), list(r.pages), r.cache_len
+        out.append(c)
+    return out
+
+
+@dataclass
+class StepRecord:
+    emitted: list[list[list[int]]]
+    accepted: list[list[int]]
+
+
+def run_steps(runner: StepGraphRunner, reqs: list[Request], steps: int,
+              pad: bool = True) -> StepRecord:
+    """`steps` steps, applying each step's tokens the way the scheduler does."""
+    rec = StepRecord([], [])
+    reqs = copy.copy(reqs)
+    for _ in range(steps):
+        emitted, accepted = runner.step(reqs, pad=pad)
+        rec.emitted.append(emitted)
+        rec.accepted.append(accepted)
+        for r, toks, a in zip(reqs, emitted, accepted):
+            r.cache_len += a + 1
+            r.output_ids += toks
+    return rec
+
+
+def request_slots(reqs: list[Request], page_size: int) -> torch.Tensor:
+    return torch.tensor([p * page_size + s for r in reqs for p in r.pages
+                         for s in range(page_size)], dtype=torch.int64)
+
+
+def changed_slots(before: KVPool, after: KVPool) -> set[int]:
+    """Flat slots whose target or draft rows differ."""
+    diff = (before.target != after.target).flatten(2).any(-1).any(0)
+    if before.draft is not None:
+        diff |= (before.draft != after.draft).flatten(2).any(-1).any(0)
+    return set(diff.nonzero().flatten().tolist())

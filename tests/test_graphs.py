@@ -1,0 +1,243 @@
+"""The step runner on the CPU: graph safety of the whole step (fake tensors), padded execution on
+the dummy page, per-size budgets, and capture errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
+
+import engine.spec as spec
+from engine.config import SamplingParams
+from engine.kv_cache import DUMMY_PAGE
+from engine.spec import StepBuffers, StepShape, spec_step
+from graphs.policy import PolicyError, budgets_for_sizes, load_budgets, write_budgets
+from graphs.runner import CaptureError, default_capture_sizes
+from tests.fakeguard import run_on_fake
+from tests.graph_helpers import (
+    BLOCK,
+    PAGE,
+    changed_slots,
+    clone_pool,
+    fresh_copies,
+    load_models,
+    make_pool,
+    prefilled,
+    request_slots,
+    run_steps,
+    runner_for,
+    write_pair,
+)
+from tests.spec_helpers import use_oracle
+
+SHAPES = [("tree", 6), ("chain", 1), ("ar", 1)]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    return load_models(*write_pair(tmp_path_factory.mktemp("graphs")))
+
+
+def _fake_inputs(models, shape: StepShape, bs: int = 3, width: int = 4):
+    pool = make_pool(models, num_pages=16)
+    buf = StepBuffers.allocate(bs, width, shape, models.target, "cpu")
+    buf.cache_len.fill_(5)
+    buf.page_table[:, :2] = torch.arange(1, 2 * bs + 1).view(bs, 2)
+    return pool, buf
+
+
+# ---- graph safety -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("sample", [False, True], ids=["greedy", "sample"])
+@pytest.mark.parametrize("mode,budget", SHAPES, ids=[m for m, _ in SHAPES])
+def test_whole_step_runs_on_fake_tensors(models, mode, budget, sample):
+    """Drafter, build, target verify (dense MoE), decide, commit: no host sync and no
+    data-dependent shape anywhere in the step, model forwards included."""
+    shape = StepShape(mode, budget, BLOCK, sample)
+    pool, buf = _fake_inputs(models, shape)
+    run_on_fake(spec_step, models, pool, buf, shape)
+
+
+@pytest.mark.parametrize("bad", ["item", "mask_index"])
+def test_fake_run_catches_a_host_sync_in_the_step(models, monkeypatch, bad):
+    decide = spec.decide
+
+    def syncing_decide(logits, tree, buf, shape):
+        if bad == "item":
+            _ = logits[0, 0, 0].item()  # a host sync: would break capture
+        else:
+            _ = logits[tree.valid]  # boolean-mask indexing: a data-dependent shape
+        return decide(logits, tree, buf, shape)
+
+    monkeypatch.setattr(spec, "decide", syncing_decide)
+    shape = StepShape("tree", 6, BLOCK, False)
+    pool, buf = _fake_inputs(models, shape)
+    with pytest.raises((DataDependentOutputException, DynamicOutputShapeException)):
+        run_on_fake(spec_step, models, pool, buf, shape)
+
+
+# ---- padded execution ---------------------------------------------------------------------------
+
+ULPS = dict(rtol=1e-5, atol=1e-5)
+PROMPTS = [[5, 9, 300, 41, 7, 8, 2], [17] * 13, [600, 3, 90]]
+
+
+def _params(sample: bool) -> list[SamplingParams]:
+    if not sample:
+        return [SamplingParams(max_new_tokens=32)] * 3
+    return [SamplingParams(temperature=0.9, top_k=40, top_p=0.95, seed=11),
+            SamplingParams(temperature=1.2, seed=12),
+            SamplingParams(max_new_tokens=32)]  # a greedy row inside a sampling batch
+
+
+@pytest.mark.parametrize("mode,drafter", [("tree", "random"), ("tree", "oracle"),
+                                          ("chain", "oracle"), ("ar", None)])
+@pytest.mark.parametrize("sample", [False, True], ids=["greedy", "sample"])
+def test_padding_rows_change_nothing_but_the_dummy_page(models, monkeypatch, mode, drafter,
+                                                        sample):
+    if drafter == "oracle":
+        # deterministic and row-local: it agrees with the target's greedy chain
+        use_oracle(monkeypatch, noise=0.0, demote=0.0, gap=12.0)
+    shape = StepShape(mode, 6, BLOCK, sample)
+    base = make_pool(models)
+    reqs = prefilled(models, base, shape, PROMPTS, _params(sample))
+    ref_pool = clone_pool(base)
+    ref = run_steps(runner_for(models, ref_pool, shape, [3]), fresh_copies(reqs), 2, pad=False)
+    real = request_slots(reqs, PAGE)
+    assert ref.emitted[0][0], "the step emits at least the bonus token"
+    if drafter == "oracle" and not sample:
+        assert min(ref.accepted[0]) == BLOCK - 1, "the oracle's drafts are all accepted"
+    for size in (4, 8, 16):
+        pool = clone_pool(base)
+        runner = runner_for(models, pool, shape, [size])
+        assert runner.padded_size(3) == size
+        got = run_steps(runner, fresh_copies(reqs), 2, pad=True)
+        assert got.emitted == ref.emitted, size
+        assert got.accepted == ref.accepted, size
+        # the real requests' caches: equal to the unpadded run's (to a few fp32 ulps: a CPU
+        # GEMM's reduction order depends on the row count, so bits may differ with the batch)
+        torch.testing.assert_close(pool.target[:, real], ref_pool.target[:, real], **ULPS)
+        torch.testing.assert_close(pool.draft[:, real], ref_pool.draft[:, real], **ULPS)
+        # every other slot that changed is on the dummy page
+        outside = changed_slots(base, pool) - set(real.tolist())
+        assert all(s // PAGE == DUMMY_PAGE for s in outside), sorted(outside)[:8]
+        assert outside, "padding rows commit their rows somewhere: on the dummy page"
+        # padding rows stayed padding rows
+        buf = runner.buffers[size]
+        assert (buf.page_table[3:] == DUMMY_PAGE).all() and (buf.cache_len[3:] == 0).all()
+
+
+def test_eager_runner_uses_static_buffers(models):
+    shape = StepShape("tree", 6, BLOCK, False)
+    pool = make_pool(models)
+    runner = runner_for(models, pool, shape, [2, 4])
+    ptrs = {bs: b.emit.data_ptr() for bs, b in runner.buffers.items()}
+    reqs = prefilled(models, pool, shape, PROMPTS, _params(False))
+    run_steps(runner, reqs, 1)
+    assert {bs: b.emit.data_ptr() for bs, b in runner.buffers.items()} == ptrs
+    assert runner.graphs == {} and not runner.use_graphs
+
+
+# ---- capture sizes, budgets, capture errors --------------------------------------------------
+
+
+def test_default_capture_sizes():
+    assert default_capture_sizes(1) == [1]
+    assert default_capture_sizes(8) == [1, 2, 4, 8]
+    assert default_capture_sizes(20) == [1, 2, 4, 8, 16, 20]
+    assert default_capture_sizes(96) == [1, 2, 4, 8, 16, 24, 32, 48, 64, 80, 96]
+
+
+def test_capture_failure_names_the_knobs(models, monkeypatch):
+    shape = StepShape("tree", 6, BLOCK, False)
+    runner = runner_for(models, make_pool(models), shape, [1, 2, 4])
+    runner.use_graphs = True  # as on a GPU; the capture itself is stubbed below
+    seen = []
+
+    def capture_one(bs, sample, mem_pool):
+        seen.append(bs)
+        if bs == 4:
+            raise RuntimeError("CUDA out of memory")
+        return object()
+
+    monkeypatch.setattr(runner, "_new_pool", lambda: None)
+    monkeypatch.setattr(runner, "_capture_one", capture_one)
+    with pytest.raises(CaptureError) as e:
+        runner.capture(progress=False)
+    msg = str(e.value)
+    assert seen == [4], "the largest size is captured first"
+    for knob in ("batch size 4", "--max-batch-size", "budget 6", "--budget", "KV",
+                 "out of memory"):
+        assert knob in msg, (knob, msg)
+
+
+def test_capture_order_and_stats_with_a_stub(models, monkeypatch):
+    runner = runner_for(models, make_pool(models), StepShape("ar", 1, BLOCK, False), [1, 2, 4])
+    runner.use_graphs = True
+    order = []
+    monkeypatch.setattr(runner, "_new_pool", lambda: "pool")
+    monkeypatch.setattr(runner, "_capture_one", lambda bs, s, p: order.append((bs, s, p)))
+    runner.capture(progress=False)
+    assert [(bs, s) for bs, s, _ in order] == [(4, False), (4, True), (2, False), (2, True),
+                                               (1, False), (1, True)]
+    assert {p for *_, p in order} == {"pool"}, "one shared memory pool"
+    assert set(runner.capture_stats) == {(bs, s) for bs, s, _ in order}
+
+
+def test_graphs_need_cuda(models):
+    with pytest.raises(ValueError, match="CUDA"):
+        runner_for(models, make_pool(models), StepShape("ar", 1, BLOCK, False), [1],
+                   use_graphs=True)
+
+
+def test_budget_policy_roundtrip_and_spread(tmp_path):
+    p = write_budgets(tmp_path / "b.toml", {1: 32, 8: 16, 32: 4},
+                      measured=[dict(batch_size=1, budget=32, accept=2.5, step_ms=3.0,
+                                     tokens_per_s=800.0)], note="test")
+    assert load_budgets(p) == {1: 32, 8: 16, 32: 4}
+    assert budgets_for_sizes({2: 20, 8: 10}, [1, 2, 4, 8, 16]) == {1: 20, 2: 20, 4: 20, 8: 10,
+                                                                   16: 10}
+    (tmp_path / "bad.toml").write_text("[budgets]\n4 = 0\n")
+    with pytest.raises(PolicyError, match="4 = 0"):
+        load_budgets(tmp_path / "bad.toml")
+    (tmp_path / "none.toml").write_text("x = 1\n")
+    with pytest.raises(PolicyError, match="budgets"):
+        load_budgets(tmp_path / "none.toml")
+
+
+def test_runner_with_budget_policy(models):
+    shape = StepShape("tree", 6, BLOCK, False)
+    pool = make_pool(models)
+    runner = runner_for(models, pool, shape, [1, 2, 4], budgets={1: 12, 4: 3})
+    assert runner.budgets == {1: 12, 2: 12, 4: 3}
+    assert runner.buffers[1].coins.shape[1] == 13 and runner.buffers[4].coins.shape[1] == 4
+    assert runner.shape.max_emit == max(s.max_emit for s in runner.shapes.values())
+    reqs = prefilled(models, pool, shape, PROMPTS, _params(False))
+    emitted, accepted = runner.step(reqs)  # padded to 4: budget 3
+    assert len(emitted) == 3 and all(len(e) == a + 1 for e, a in zip(emitted, accepted))
+    # no policy: one budget everywhere (the default behaviour)
+    plain = runner_for(models, pool, shape, [1, 2, 4])
+    assert set(plain.budgets.values()) == {6}
+    # chain and ar ignore budgets
+    assert set(runner_for(models, pool, StepShape("chain", 1, BLOCK, False), [1, 2],
+                          budgets={1: 9}).budgets.values()) == {1}
+
+
+def test_shipped_budget_policy_reads():
+    policy = load_budgets()  # configs/budgets.toml
+    assert policy and all(b >= 1 for b in policy.values())
+
+
+def test_planner_runs_outside_the_step_with_the_loaded_buffers(models):
+    shape = StepShape("tree", 6, BLOCK, False)
+    pool = make_pool(models)
+    calls = []
+
+    def planner(buf, shp):
+        calls.append((buf.anchor.shape[0], buf.cache_len.tolist(), shp.sample))
+
+    runner = runner_for(models, pool, shape, [4], planner=planner)
+    reqs = prefilled(models, pool, shape, PROMPTS, _params(False))
+    runner.step(reqs)
+    assert calls == [(4, [r.cache_len for r in reqs] + [0], False)]

@@ -1,0 +1,65 @@
+"""`python -m graphs.profile` on a tiny model (CPU: the eager step, no graphs)."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+from graphs import profile
+from graphs.policy import load_budgets
+from tests.graph_helpers import write_pair
+
+
+def test_profile_main_writes_json_and_table(tmp_path, capsys):
+    target, draft = write_pair(tmp_path)
+    out = tmp_path / "prof.json"
+    threads = torch.get_num_threads()
+    rc = profile.main(["--model", str(target), "--draft", str(draft), "--batch-sizes", "1,3",
+                       "--budget", "6", "--steps", "2", "--warmup", "1", "--prompt-len", "9",
+                       "--output", str(out), "--no-progress"])
+    torch.set_num_threads(threads)
+    assert rc == 0
+    res = json.loads(out.read_text())
+    assert res["model"] == str(target) and res["draft"] == str(draft)
+    assert [r["batch_size"] for r in res["results"]] == [1, 3]
+    for r in res["results"]:
+        assert r["budget"] == 6 and r["nodes"] == 7
+        assert r["eager_ms"] > 0 and r["tokens_per_s"] > 0
+        assert 1.0 <= r["tokens_per_step"] <= 4.0  # block 4: at most 3 drafts + the bonus
+        assert set(r["phase_ms"]) >= {"draft", "build", "verify", "decide", "commit"}
+        if not torch.cuda.is_available():
+            assert r["replay_ms"] is None and r["capture_s"] is None
+    printed = capsys.readouterr()
+    assert "eager ms" in printed.out and "verify ms" in printed.out
+    if not torch.cuda.is_available():
+        assert res["graphs"] is False and "need CUDA" in res["note"]
+        assert "no GPU telemetry" in printed.out
+        assert "no GPU telemetry" in res["gpu"]["telemetry"]
+
+
+def test_profile_tune_writes_the_budget_policy(tmp_path, capsys):
+    target, draft = write_pair(tmp_path)
+    policy = tmp_path / "budgets.toml"
+    threads = torch.get_num_threads()
+    rc = profile.main(["--model", str(target), "--draft", str(draft), "--batch-sizes", "1,2",
+                       "--budget", "4", "--steps", "1", "--warmup", "0", "--prompt-len", "5",
+                       "--tune", "--tune-budgets", "2,5", "--policy-out", str(policy),
+                       "--output", str(tmp_path / "p.json"), "--no-progress"])
+    torch.set_num_threads(threads)
+    assert rc == 0
+    budgets = load_budgets(policy)
+    assert set(budgets) == {1, 2} and set(budgets.values()) <= {2, 5}
+    res = json.loads((tmp_path / "p.json").read_text())
+    assert {(t["batch_size"], t["budget"]) for t in res["tune"]} == {(1, 2), (1, 5), (2, 2),
+                                                                     (2, 5)}
+    assert "measured" in policy.read_text()
+
+
+def test_profile_errors_name_the_missing_thing(tmp_path, capsys):
+    assert profile.main(["--model", str(tmp_path / "nope"), "--output",
+                         str(tmp_path / "x.json")]) == 2
+    assert "config.json missing" in capsys.readouterr().err
+    target, _ = write_pair(tmp_path)
+    assert profile.main(["--model", str(target), "--output", str(tmp_path / "x.json")]) == 2
+    assert "needs a drafter" in capsys.readouterr().err
