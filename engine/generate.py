@@ -2,6 +2,8 @@
 
     python -m engine.generate --prompts FILE --output OUT.jsonl [--model DIR --draft DIR]
         [--mode tree|chain|ar] [--budget K] [--max-new-tokens N] [--temperature T] ...
+    torchrun --nproc-per-node N -m engine.generate --tp N ...   (tensor parallel; rank 0 reads
+        the prompts and writes the output)
 
 Prompt files: `.txt` (one prompt per line) or `.jsonl` with one of `prompt` (text),
 `prompt_token_ids` (list of ints) or `messages` (chat), plus optional per-line sampling fields.
@@ -110,28 +112,58 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-model-len", type=int, default=None)
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     ap.add_argument("--dtype", default="float32")
-    ap.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (under torchrun)")
+    ap.add_argument("--tp", type=int, default=1,
+                    help="tensor-parallel ranks: run under torchrun --nproc-per-node N")
+    ap.add_argument("--tp-timeout", type=float, default=30.0,
+                    help="seconds without a heartbeat from a peer rank before exiting")
     return ap
 
 
 def main(argv: list[str] | None = None) -> int:
     a = build_parser().parse_args(argv)
-    try:
-        defaults = SamplingParams(temperature=a.temperature, top_p=a.top_p, top_k=a.top_k,
-                                  max_new_tokens=a.max_new_tokens, seed=a.seed,
-                                  ignore_eos=a.ignore_eos)
-        items = read_prompts(a.prompts, defaults)
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
+    if a.tp < 1:
+        print(f"error: --tp must be >= 1, got {a.tp}", file=sys.stderr)
         return 2
-    if a.tp != 1:
-        print("error: --tp > 1 is not supported yet", file=sys.stderr)
-        return 2
+    # Under tensor parallelism only rank 0 reads prompts and writes output; the other ranks
+    # run rank 0's model calls.
+    leader = a.tp == 1 or os.environ.get("RANK", "0") == "0"
+    items: list[tuple[dict[str, Any], SamplingParams]] = []
+    if leader:
+        try:
+            defaults = SamplingParams(temperature=a.temperature, top_p=a.top_p, top_k=a.top_k,
+                                      max_new_tokens=a.max_new_tokens, seed=a.seed,
+                                      ignore_eos=a.ignore_eos)
+            items = read_prompts(a.prompts, defaults)
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
     from engine.llm import LLM
 
     try:
         llm = LLM(a.model, a.draft, mode=a.mode, budget=a.budget, device=a.device, dtype=a.dtype,
-                  max_batch_size=a.max_batch_size, max_model_len=a.max_model_len)
+                  max_batch_size=a.max_batch_size, max_model_len=a.max_model_len, tp=a.tp,
+                  tp_timeout=a.tp_timeout)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if llm.tp is None:
+        return _generate(a, llm, items)
+    from engine.parallel import PeerLost
+
+    try:
+        rc = _generate(a, llm, items) if llm.is_leader else 0
+        llm.close()  # followers: run rank 0's calls until it stops
+        return rc
+    except PeerLost as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    finally:
+        llm.close()
+
+
+def _generate(a: argparse.Namespace, llm: Any, items: list[tuple[dict[str, Any], SamplingParams]]
+              ) -> int:
+    try:
         prompts = []
         for n, (p, _) in enumerate(items, 1):
             try:

@@ -6,7 +6,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -19,6 +19,9 @@ from engine.scheduler import Scheduler
 from engine.spec import Models, StepShape
 from engine.tokenizer import Tokenizer
 from graphs.runner import PhaseTimer, StepGraphRunner
+
+if TYPE_CHECKING:
+    from engine.parallel import TensorParallel
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_MODEL = REPO / "models" / "kimi-mini"
@@ -52,6 +55,11 @@ class EngineConfig:
     max_model_len: int | None = None
     kv_pages: int | None = None
     use_graphs: bool | None = None
+    capture_sizes: tuple[int, ...] | None = None
+    # Tensor parallelism: ranks (each a process started by torchrun) and the seconds a rank may
+    # go without a heartbeat from a peer before it exits naming that peer.
+    tp: int = 1
+    tp_timeout: float = 30.0
 
 
 class LLM:
@@ -70,15 +78,26 @@ class LLM:
                 f"{self.model_dir}: no model here (config.json missing). Pass --model DIR, or "
                 f"write a small random one with `python -m engine.tools.make_tiny --out DIR`.")
         device, dtype = torch.device(cfg.device), DTYPES[cfg.dtype]
+        self.tp: TensorParallel | None = None
+        self._following = True  # followers: until the leader says "stop"
+        self._closed = False
+        if cfg.tp != 1:
+            from engine.parallel import TensorParallel
+
+            self.tp = TensorParallel.init(cfg.tp, device, heartbeat_timeout_s=cfg.tp_timeout)
+            device = self.tp.device
+            progress = progress and self.tp.rank == 0
         self.tokenizer = (Tokenizer.from_dir(self.model_dir)
                           if (self.model_dir / "tiktoken.model").is_file() else None)
-        target = KimiForCausalLM.from_dir(self.model_dir, device, dtype, progress=progress)
+        target = KimiForCausalLM.from_dir(self.model_dir, device, dtype, progress=progress,
+                                          tp=self.tp)
         drafter = None
         if cfg.mode != "ar":
             if draft is None:
                 raise ValueError(f"mode {cfg.mode!r} needs a drafter (--draft DIR)")
-            drafter = DFlashDrafter.from_dir(draft, target.cfg.hidden_size, device, dtype)
-        self.models = Models(target, drafter)
+            drafter = DFlashDrafter.from_dir(draft, target.cfg.hidden_size, device, dtype,
+                                             tp=self.tp)
+        self.models = Models(target, drafter, tp=self.tp)
         mc: ModelConfig = target.cfg
         block = drafter.c.block_size if drafter else 2
         shape = StepShape(cfg.mode, cfg.budget, block, sample=False)
@@ -92,14 +111,23 @@ class LLM:
         self.timer = PhaseTimer()
         self.runner = StepGraphRunner(self.models, self.pool, shape,
                                       max_batch_size=cfg.max_batch_size, max_pages=max_pages,
+                                      capture_sizes=cfg.capture_sizes,
                                       use_graphs=cfg.use_graphs, timer=self.timer)
         self.runner.capture(progress=progress)
+        # Without graphs nothing needs fixed shapes: route tokens only through their experts.
+        self.models.sparse_moe = not self.runner.use_graphs
         stop_ids = self.tokenizer.stop_ids if self.tokenizer else frozenset(
             [mc.eos_token_id] if mc.eos_token_id is not None else [])
-        self.scheduler = Scheduler(
-            self.models, self.pool, self.runner, max_batch_size=cfg.max_batch_size,
-            max_model_len=self.max_model_len, stop_ids=stop_ids,
-            detok=self.tokenizer.decode if self.tokenizer else None)
+        sched_kw: dict[str, Any] = dict(
+            max_batch_size=cfg.max_batch_size, max_model_len=self.max_model_len,
+            stop_ids=stop_ids, detok=self.tokenizer.decode if self.tokenizer else None)
+        if self.tp is not None and self.tp.rank == 0:
+            from engine.parallel import LeaderScheduler
+
+            self.scheduler: Scheduler = LeaderScheduler(self.tp, self.models, self.pool,
+                                                        self.runner, **sched_kw)
+        else:
+            self.scheduler = Scheduler(self.models, self.pool, self.runner, **sched_kw)
         self.stats: dict[str, Any] = {}
         self._next_id = 0
 
@@ -136,8 +164,14 @@ class LLM:
     def generate(self, prompts: Sequence[Prompt],
                  params: SamplingParams | Sequence[SamplingParams] | None = None,
                  progress: bool = False) -> list[GenerationOutput]:
+        """Generate for every prompt. Under tensor parallelism every rank calls this: rank 0
+        (the leader) runs the requests; the others run rank 0's model calls until it is done
+        and return an empty list (their `prompts` are ignored)."""
         from tqdm import tqdm
 
+        if not self.is_leader:
+            self.follow()
+            return []
         if params is None or isinstance(params, SamplingParams):
             params = [params or SamplingParams()] * len(prompts)
         if len(params) != len(prompts):
@@ -151,6 +185,8 @@ class LLM:
         for r in reqs:
             self.scheduler.add(r)
         self.timer.totals.clear()
+        if self.tp is not None:
+            self.tp.comm.reset()
         t0 = time.perf_counter()
         bar = tqdm(total=len(reqs), desc="generating", unit="prompt", disable=not progress)
         while self.scheduler.has_work:
@@ -159,6 +195,8 @@ class LLM:
             bar.update(sum(1 for e in events if e.finished))
             self.timer.totals["engine"] += time.perf_counter() - t_step
         bar.close()
+        if self.tp is not None:
+            self.tp.send(("end",))
         elapsed = time.perf_counter() - t0
         outs = [self._output(i, r) for i, r in enumerate(reqs)]
         n_tok = sum(len(o.token_ids) for o in outs)
@@ -173,6 +211,13 @@ class LLM:
             "mean_accept_len": sum(acc) / len(acc) if acc else 0.0,
             "phase_seconds": phases, "preemptions": self.scheduler.num_preemptions,
         }
+        if self.tp is not None:
+            # Rank 0's collectives during this call: calls and bytes per kind, and wall seconds
+            # when `self.tp.timed` was set (eager steps only).
+            c = self.tp.comm
+            self.stats["collectives"] = {op: {"calls": c.calls[op], "bytes": c.bytes[op],
+                                              "seconds": c.seconds.get(op, 0.0)}
+                                         for op in c.calls}
         return outs
 
     def _output(self, i: int, r: Request) -> GenerationOutput:
@@ -181,3 +226,43 @@ class LLM:
             text = text[: r.text_end]
         return GenerationOutput(i, r.prompt_ids, list(r.output_ids), text, r.finish_reason or "",
                                 r.num_steps, list(r.accept_lengths))
+
+    # ---- tensor parallelism ------------------------------------------------------------------
+
+    @property
+    def is_leader(self) -> bool:
+        """True in a single process and on tensor-parallel rank 0 (which reads prompts, runs
+        the scheduler, writes output and serves HTTP)."""
+        return self.tp is None or self.tp.rank == 0
+
+    def follow(self) -> bool:
+        """A tensor-parallel follower (rank > 0): run the leader's model calls until it ends a
+        `generate` (returns True) or shuts down (returns False)."""
+        if self.is_leader:
+            raise RuntimeError("follow() is for tensor-parallel ranks other than 0")
+        if not self._following:
+            return False
+        from engine.parallel import follow
+
+        self._following = follow(self.tp, self.models, self.pool, self.runner) == "end"
+        return self._following
+
+    def close(self) -> None:
+        """Under tensor parallelism, every rank calls this once at the end: the leader tells
+        the followers to stop, the followers run the leader's calls until then, and each rank
+        leaves the group. Nothing to do in a single process."""
+        tp = self.tp
+        if tp is None or self._closed:
+            return
+        self._closed = True
+        try:
+            if not tp.broken:
+                if tp.rank == 0:
+                    tp.send(("stop",))
+                else:
+                    while self.follow():
+                        pass
+        finally:
+            # NOTE: graphs holding collectives go before the process group they use.
+            self.runner.graphs.clear()
+            tp.close()

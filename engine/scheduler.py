@@ -21,6 +21,27 @@ from graphs.runner import StepGraphRunner
 from ops.sampling import sample_from_probs, target_probs
 
 
+def prefill_caches(models: Models, pool: KVPool, ctx: list[int], pages: list[int]
+                   ) -> torch.Tensor:
+    """Causal forward over `ctx` (positions `0 ..`) writing the target's latent rows and the
+    drafter's context K/V into `pages`; returns the last position's logits `[1, 1, V]`."""
+    T = len(ctx)
+    dev = pool.target.device
+    ids = torch.tensor(ctx, device=dev)[None]
+    rows: list[torch.Tensor] = []
+    target, drafter = models.target, models.drafter
+    logits, aux = target(ids, models.aux_layers, sparse_moe=True,
+                         logits_rows=torch.tensor([[T - 1]], device=dev), cache_rows_out=rows)
+    pt = torch.tensor(pages, device=dev)[None]
+    pos = torch.arange(T, device=dev)[None]
+    slots = slot_of(pt, pos, pool.page_size)[0]
+    pool.target[:, slots] = torch.stack([r[0] for r in rows]).to(pool.target.dtype)
+    if drafter is not None:
+        kv = drafter.context_kv(aux[0], pos[0])
+        pool.draft[:, slots] = kv.to(pool.draft.dtype)
+    return logits
+
+
 class RequestRejected(ValueError):
     """A request that can never run (too long for the context or the KV pool)."""
 
@@ -109,19 +130,7 @@ class Scheduler:
         T = len(ctx)
         self._grow(req, T + self.step_span)
         dev = self.pool.target.device
-        ids = torch.tensor(ctx, device=dev)[None]
-        rows: list[torch.Tensor] = []
-        target, drafter = self.models.target, self.models.drafter
-        logits, aux = target(ids, self.models.aux_layers, sparse_moe=True,
-                             logits_rows=torch.tensor([[T - 1]], device=dev),
-                             cache_rows_out=rows)
-        pt = torch.tensor(req.pages, device=dev)[None]
-        pos = torch.arange(T, device=dev)[None]
-        slots = slot_of(pt, pos, self.pool.page_size)[0]
-        self.pool.target[:, slots] = torch.stack([r[0] for r in rows]).to(self.pool.target.dtype)
-        if drafter is not None:
-            kv = drafter.context_kv(aux[0], pos[0])
-            self.pool.draft[:, slots] = kv.to(self.pool.draft.dtype)
+        logits = self.fill_cache(ctx, req.pages)
         req.cache_len = T
         if not fresh:
             return []
@@ -132,6 +141,10 @@ class Scheduler:
                              torch.tensor([max(p.top_k, 0)], device=dev),
                              torch.tensor([float(p.top_p)], device=dev))
         return [int(sample_from_probs(probs, req.coins(1).to(dev))[0])]
+
+    def fill_cache(self, ctx: list[int], pages: list[int]) -> torch.Tensor:
+        """The model part of a prefill (tensor parallelism's leader announces it first)."""
+        return prefill_caches(self.models, self.pool, ctx, pages)
 
     # ---- host-side token handling ------------------------------------------------------------
 

@@ -3,6 +3,7 @@
     python -m engine.serve --model DIR --draft DIR [--mode tree --budget 16 --max-batch-size 8
         --device cuda --dtype bf16 --max-model-len N --kv-pages N --host 127.0.0.1 --port 8000
         --max-queue 256 --served-model-name NAME]
+    torchrun --nproc-per-node N -m engine.serve --tp N ...   (tensor parallel; rank 0 serves)
 
 Endpoints: `GET /v1/models`, `POST /v1/completions`, `POST /v1/chat/completions` (both with
 `stream: true` as server-sent events ending in `data: [DONE]`), `GET /health` (JSON with the KV
@@ -26,7 +27,10 @@ import contextlib
 import json
 import logging
 import math
+import os
 import queue
+import signal
+import sys
 import threading
 import time
 import uuid
@@ -169,6 +173,7 @@ class Engine:
         self._inbox: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
         self._live: dict[int, Handle] = {}
         self._thread: threading.Thread | None = None
+        self.fatal: str | None = None  # why the engine stopped for good (tensor parallelism)
         # counters below are written only by the engine thread
         self._prompt_tokens = 0
         self._generated = 0
@@ -202,10 +207,21 @@ class Engine:
     # ---- engine thread -----------------------------------------------------------------------
 
     def _run(self) -> None:
+        from engine.parallel import PeerLost
+
         while True:
             try:
                 if not self._iteration():
                     return
+            except PeerLost as e:
+                # NOTE: a tensor-parallel peer is gone: no later step can run. Answer everyone,
+                # then stop the server (main exits non-zero).
+                log.error("%s; shutting down", e)
+                self.fatal = str(e)
+                self._fail_all(f"engine error: {e}")
+                self._publish()
+                os.kill(os.getpid(), signal.SIGTERM)
+                return
             except Exception as e:  # noqa: BLE001 - the thread must outlive any one failure
                 log.exception("engine loop failed; failing every in-flight request")
                 self._fail_all(f"engine error: {type(e).__name__}: {e}")
@@ -893,6 +909,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="requests allowed to wait for a batch slot before 503")
     p.add_argument("--served-model-name", default=None,
                    help="the model id clients send (default: the model directory's name)")
+    p.add_argument("--tp", type=int, default=1,
+                   help="tensor-parallel ranks: run under torchrun --nproc-per-node N; rank 0 "
+                        "serves HTTP")
+    p.add_argument("--tp-timeout", type=float, default=30.0,
+                   help="seconds without a heartbeat from a peer rank before exiting")
     p.add_argument("--log-level", default="info",
                    choices=("critical", "error", "warning", "info", "debug"))
     args = p.parse_args(argv)
@@ -900,6 +921,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--max-queue must be >= 1, got {args.max_queue}")
     if args.port < 0 or args.port > 65535:
         p.error(f"--port must be in [0, 65535], got {args.port}")
+    if args.tp < 1:
+        p.error(f"--tp must be >= 1, got {args.tp}")
     return args
 
 
@@ -914,14 +937,31 @@ def main(argv: list[str] | None = None) -> None:
     llm = LLM(args.model, args.draft, mode=args.mode, budget=args.budget,
               max_batch_size=args.max_batch_size, device=device, dtype=dtype,
               page_size=args.page_size, max_model_len=args.max_model_len,
-              kv_pages=args.kv_pages, progress=True)
+              kv_pages=args.kv_pages, progress=True, tp=args.tp, tp_timeout=args.tp_timeout)
+    if not llm.is_leader:
+        # Tensor-parallel ranks > 0 serve nothing: they run rank 0's model calls until it stops.
+        from engine.parallel import PeerLost
+
+        try:
+            llm.close()
+        except PeerLost as e:
+            log.error("%s", e)
+            sys.exit(1)
+        return
     name = args.served_model_name or llm.model_dir.resolve().name
     app = build_app(llm, name, args.max_queue)
     log.info("serving %r on http://%s:%d (max_model_len %d, %d KV pages)", name, args.host,
              args.port, llm.max_model_len, llm.scheduler.alloc.capacity)
-    # A bounded graceful shutdown: open streams must not keep the process alive.
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
-                timeout_graceful_shutdown=5)
+    try:
+        # A bounded graceful shutdown: open streams must not keep the process alive.
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
+                    timeout_graceful_shutdown=5)
+    finally:
+        llm.close()
+    fatal = app.state.server.engine.fatal
+    if fatal:
+        log.error("stopped: %s", fatal)
+        sys.exit(1)
 
 
 if __name__ == "__main__":

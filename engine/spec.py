@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
@@ -23,6 +24,9 @@ from engine.models.kimi import KimiForCausalLM
 from ops.sampling import target_probs
 from ops.tree import DDTree, build_ddtree, chain_tree
 from ops.verify import Decision, tree_greedy, tree_sample
+
+if TYPE_CHECKING:
+    from engine.parallel import TensorParallel
 
 MODES = ("tree", "chain", "ar")
 
@@ -110,6 +114,11 @@ class StepBuffers:
 class Models:
     target: KimiForCausalLM
     drafter: DFlashDrafter | None = None
+    # Eager runs may send each token only through its chosen experts (cheaper on a CPU); the
+    # dispatch has data-dependent shapes, so a captured or fake-tensor step keeps the dense one.
+    sparse_moe: bool = False
+    # Tensor parallelism (engine.parallel): this rank's group; None in a single process.
+    tp: TensorParallel | None = None
 
     @property
     def aux_layers(self) -> tuple[int, ...]:
@@ -209,8 +218,12 @@ def spec_step(models: Models, pool: KVPool, buf: StepBuffers, shape: StepShape,
         aux_layers = models.aux_layers if shape.mode != "ar" else ()
         logits, aux = models.target.verify(
             tree.tokens, tree.depth + buf.cache_len[:, None], pool.target, ctx_slots,
-            buf.cache_len, tree.visible, buf.tree_kv, aux_layers)
+            buf.cache_len, tree.visible, buf.tree_kv, aux_layers, models.sparse_moe)
     with timer("decide"):
         dec = decide(logits, tree, buf, shape)
+        if models.tp is not None:
+            # NOTE: every rank decides from the same gathered logits and coins, but only rank
+            # 0's decision is committed anywhere, so rounding can never split the ranks' caches.
+            dec = models.tp.broadcast_decision(dec)
     with timer("commit"):
         commit(models, pool, buf, dec, aux, shape)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
@@ -19,6 +19,10 @@ from torch import Tensor, nn
 from engine.config import ConfigError, _read_json, _rope_fields
 from engine.models.kimi import MLP, RMSNorm
 from ops.rope import apply_rope_half, rope_cos_sin, rope_frequencies
+
+if TYPE_CHECKING:
+    from engine.parallel import TensorParallel
+    from engine.weights import ShardFn
 
 
 @dataclass(frozen=True)
@@ -151,10 +155,17 @@ class DFlashDrafter(nn.Module):
 
     @classmethod
     def from_dir(cls, path: str | Path, target_hidden: int, device: str | torch.device = "cpu",
-                 dtype: torch.dtype = torch.float32) -> DFlashDrafter:
+                 dtype: torch.dtype = torch.float32, tp: TensorParallel | None = None
+                 ) -> DFlashDrafter:
+        """With `tp`, this rank's shard (or the whole drafter where it does not split)."""
         c = DraftConfig.from_dir(path)
-        model = cls(c, target_hidden).to(device=device, dtype=dtype)
-        model.load_state_dict(_read_draft_weights(Path(path), model.expected_shapes()))
+        if tp is None:
+            model = cls(c, target_hidden).to(device=device, dtype=dtype)
+            model.load_state_dict(_read_draft_weights(Path(path), model.expected_shapes()))
+        else:
+            model = tp.build_drafter(cls, c, target_hidden).to(device=device, dtype=dtype)
+            model.load_state_dict(_read_draft_weights(Path(path), tp.full_shapes(model),
+                                                      tp.shard_fn(model)))
         model.inv_freq = model.inv_freq.float()
         return model.eval().requires_grad_(False)
 
@@ -193,7 +204,10 @@ class DFlashDrafter(nn.Module):
         return self.norm(h)
 
 
-def _read_draft_weights(path: Path, expected: dict[str, tuple[int, ...]]) -> dict[str, Tensor]:
+def _read_draft_weights(path: Path, expected: dict[str, tuple[int, ...]],
+                        shard_fn: ShardFn | None = None) -> dict[str, Tensor]:
+    """The drafter's tensors, each checked against its full shape in `expected`; `shard_fn`
+    (tensor parallelism) picks the piece of each that this process keeps."""
     from safetensors import SafetensorError, safe_open
 
     from engine.weights import WeightsError
@@ -208,11 +222,12 @@ def _read_draft_weights(path: Path, expected: dict[str, tuple[int, ...]]) -> dic
             for name, shape in expected.items():
                 if name not in names:
                     raise WeightsError(f"{f}: drafter tensor {name!r} is missing")
-                t = st.get_tensor(name)
-                if tuple(t.shape) != shape:
-                    raise WeightsError(f"{f}: tensor {name!r} has shape {tuple(t.shape)}, "
+                sl = st.get_slice(name)
+                got = tuple(sl.get_shape())
+                if got != shape:
+                    raise WeightsError(f"{f}: tensor {name!r} has shape {got}, "
                                        f"the drafter config expects {shape}")
-                out[name] = t
+                out[name] = sl[:] if shard_fn is None else shard_fn(name, sl)
     except SafetensorError as e:
         raise WeightsError(f"{f}: cannot read safetensors file ({e})") from e
     return out

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -22,6 +23,9 @@ from engine.config import ModelConfig
 from ops.attention import absorbed_attention, mla_naive
 from ops.moe import experts_dense, experts_sparse, route_noaux_tc
 from ops.rope import apply_rope_interleaved, rope_cos_sin, rope_frequencies
+
+if TYPE_CHECKING:
+    from engine.parallel import TensorParallel
 
 
 class RMSNorm(nn.Module):
@@ -181,10 +185,16 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = MLA(cfg)
         self.mlp = MoE(cfg) if cfg.is_moe(i) else MLP(cfg.hidden_size, cfg.intermediate_size)
+        self.tp: TensorParallel | None = None  # set by engine.parallel when sharded
 
     def ffn(self, h: Tensor, sparse: bool, loads: list[Tensor] | None = None) -> Tensor:
         x = self.post_attention_layernorm(h)
-        return h + (self.mlp(x, sparse, loads) if isinstance(self.mlp, MoE) else self.mlp(x))
+        y = self.mlp(x, sparse, loads) if isinstance(self.mlp, MoE) else self.mlp(x)
+        if self.tp is not None:
+            # NOTE: each rank holds a slice of every expert's (and the dense MLP's) intermediate
+            # dim, so its output is a partial sum: one all-reduce for routed + shared experts.
+            y = self.tp.all_reduce(y)
+        return h + y
 
 
 class Backbone(nn.Module):
@@ -212,19 +222,24 @@ class KimiForCausalLM(nn.Module):
 
     @classmethod
     def from_dir(cls, path: str | Path, device: str | torch.device = "cpu",
-                 dtype: torch.dtype = torch.float32, progress: bool = True) -> KimiForCausalLM:
+                 dtype: torch.dtype = torch.float32, progress: bool = True,
+                 tp: TensorParallel | None = None) -> KimiForCausalLM:
+        """With `tp`, this rank's shard only (each tensor's piece is all that is read)."""
         from engine.weights import load_target_weights
 
         cfg = ModelConfig.from_dir(path)
-        weights = load_target_weights(path, cfg, device=device, dtype=dtype, progress=progress)
-        return cls.from_weights(cfg, weights, device, dtype)
+        shard_fn = tp.target_shard_fn(cls, cfg) if tp is not None else None
+        weights = load_target_weights(path, cfg, device=device, dtype=dtype, progress=progress,
+                                      shard_fn=shard_fn)
+        return cls.from_weights(cfg, weights, device, dtype, tp=tp)
 
     @classmethod
     def from_weights(cls, cfg: ModelConfig, weights: dict[str, Tensor],
                      device: str | torch.device = "cpu",
-                     dtype: torch.dtype = torch.float32) -> KimiForCausalLM:
+                     dtype: torch.dtype = torch.float32,
+                     tp: TensorParallel | None = None) -> KimiForCausalLM:
         with torch.device("meta"):
-            model = cls(cfg)
+            model = cls(cfg) if tp is None else tp.build_target(cls, cfg)
         model.to_empty(device=device)
         model.to(dtype)
         for layer in model.model.layers:
@@ -288,6 +303,7 @@ class KimiForCausalLM(nn.Module):
     def verify(
         self, tokens: Tensor, positions: Tensor, kv_cache: Tensor, slots: Tensor,
         ctx_len: Tensor, visible: Tensor, tree_kv_out: Tensor, aux_layers: Sequence[int] = (),
+        sparse_moe: bool = False,
     ) -> tuple[Tensor, Tensor | None]:
         """Absorbed forward of `Q` query tokens per request against the paged latent cache.
 
@@ -296,6 +312,7 @@ class KimiForCausalLM(nn.Module):
         which query tokens each query sees (itself included); `tree_kv_out [layers, bs, Q, R + P]`
         receives the queries' own cache rows (the commit copies the accepted ones into the
         cache). Returns logits `[bs, Q, V]` (fp32) and the aux-layer features `[bs, Q, n * H]`.
+        `sparse_moe` picks the eager-only expert dispatch (see `ops.moe`).
         """
         cos, sin = self._rope(positions)
         h = self.model.embed_tokens(tokens)
@@ -303,7 +320,7 @@ class KimiForCausalLM(nn.Module):
         for i, layer in enumerate(self.model.layers):
             a = layer.self_attn.forward_absorbed(layer.input_layernorm(h), cos, sin, kv_cache[i],
                                                  slots, ctx_len, visible, tree_kv_out[i])
-            h = layer.ffn(h + a, False)
+            h = layer.ffn(h + a, sparse_moe)
             if i in aux_layers:
                 aux.append(h)
         logits = self.lm_head(self.model.norm(h)).float()
