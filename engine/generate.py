@@ -102,6 +102,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--output", required=True, help="output .jsonl")
     ap.add_argument("--mode", choices=("tree", "chain", "ar"), default="tree")
     ap.add_argument("--budget", type=int, default=16, help="tree nodes besides the root")
+    ap.add_argument("--budget-policy", default=None,
+                    help="TOML table of tree budget per batch size (configs/budgets.toml)")
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--top-k", type=int, default=-1)
@@ -142,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         llm = LLM(a.model, a.draft, mode=a.mode, budget=a.budget, device=a.device, dtype=a.dtype,
                   max_batch_size=a.max_batch_size, max_model_len=a.max_model_len, tp=a.tp,
-                  tp_timeout=a.tp_timeout)
+                  tp_timeout=a.tp_timeout, budget_policy=a.budget_policy)
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

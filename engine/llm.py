@@ -60,6 +60,10 @@ class EngineConfig:
     # go without a heartbeat from a peer before it exits naming that peer.
     tp: int = 1
     tp_timeout: float = 30.0
+    # A tree-budget table {batch size: budget} (TOML, `graphs.policy`); None: `budget` for all.
+    budget_policy: str | None = None
+    # Prefix attention: "auto" (flashinfer's MLA kernel on CUDA when installed) or "torch".
+    attention: str = "auto"
 
 
 class LLM:
@@ -101,8 +105,15 @@ class LLM:
         mc: ModelConfig = target.cfg
         block = drafter.c.block_size if drafter else 2
         shape = StepShape(cfg.mode, cfg.budget, block, sample=False)
+        budgets = None
+        if cfg.budget_policy and cfg.mode == "tree":
+            from graphs.policy import load_budgets
+
+            budgets = load_budgets(cfg.budget_policy)
+        # NOTE: the page table must cover the step that can emit the most, whatever its size.
+        widest = StepShape(cfg.mode, max([cfg.budget, *(budgets or {}).values()]), block, False)
         self.max_model_len = cfg.max_model_len or mc.max_position_embeddings
-        max_pages = pages_needed(self.max_model_len + shape.max_emit, cfg.page_size)
+        max_pages = pages_needed(self.max_model_len + widest.max_emit, cfg.page_size)
         num_pages = cfg.kv_pages or (1 + cfg.max_batch_size * max_pages)
         self.pool = KVPool.allocate(
             page_size=cfg.page_size, num_pages=num_pages, target_layers=mc.num_hidden_layers,
@@ -112,7 +123,9 @@ class LLM:
         self.runner = StepGraphRunner(self.models, self.pool, shape,
                                       max_batch_size=cfg.max_batch_size, max_pages=max_pages,
                                       capture_sizes=cfg.capture_sizes,
-                                      use_graphs=cfg.use_graphs, timer=self.timer)
+                                      use_graphs=cfg.use_graphs, timer=self.timer,
+                                      budgets=budgets)
+        self._attach_prefix_kernels(max_pages)
         self.runner.capture(progress=progress)
         # Without graphs nothing needs fixed shapes: route tokens only through their experts.
         self.models.sparse_moe = not self.runner.use_graphs
@@ -130,6 +143,27 @@ class LLM:
             self.scheduler = Scheduler(self.models, self.pool, self.runner, **sched_kw)
         self.stats: dict[str, Any] = {}
         self._next_id = 0
+
+    def _attach_prefix_kernels(self, max_pages: int) -> None:
+        """On CUDA with flashinfer installed, one planned MLA prefix kernel per captured batch
+        size (the runner plans it before each step, outside the graph)."""
+        if self.config.attention not in ("auto", "torch"):
+            raise ValueError(f"attention must be 'auto' or 'torch', got "
+                             f"{self.config.attention!r}")
+        if self.config.attention == "torch" or self.pool.target.device.type != "cuda":
+            return
+        from ops.attention_gpu import FlashInferMLAPrefix, flashinfer_available, prefix_planner
+
+        if not flashinfer_available():
+            return
+        mc = self.models.target.cfg
+        heads = self.models.target.model.layers[0].self_attn.cfg.num_attention_heads  # per rank
+        backends = {bs: FlashInferMLAPrefix(
+            bs, self.runner.shapes[(bs, False)].num_nodes, max_pages, self.pool.page_size,
+            heads, mc.kv_lora_rank, mc.qk_rope_head_dim, mc.softmax_scale, self.pool.target.dtype,
+            self.pool.target.device) for bs in self.runner.capture_sizes}
+        self.models.prefix = dict(backends)
+        self.runner.planner = prefix_planner(backends)
 
     # ---- prompts -----------------------------------------------------------------------------
 

@@ -894,6 +894,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--draft", default=None, help="DFlash drafter dir (needed unless --mode ar)")
     p.add_argument("--mode", choices=("tree", "chain", "ar"), default="tree")
     p.add_argument("--budget", type=int, default=16, help="draft tree nodes per request per step")
+    p.add_argument("--budget-policy", default=None,
+                   help="TOML table of tree budget per batch size (configs/budgets.toml)")
     p.add_argument("--max-batch-size", type=int, default=8)
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     p.add_argument("--dtype", default=None,
@@ -937,7 +939,8 @@ def main(argv: list[str] | None = None) -> None:
     llm = LLM(args.model, args.draft, mode=args.mode, budget=args.budget,
               max_batch_size=args.max_batch_size, device=device, dtype=dtype,
               page_size=args.page_size, max_model_len=args.max_model_len,
-              kv_pages=args.kv_pages, progress=True, tp=args.tp, tp_timeout=args.tp_timeout)
+              kv_pages=args.kv_pages, progress=True, tp=args.tp, tp_timeout=args.tp_timeout,
+              budget_policy=args.budget_policy)
     if not llm.is_leader:
         # Tensor-parallel ranks > 0 serve nothing: they run rank 0's model calls until it stops.
         from engine.parallel import PeerLost

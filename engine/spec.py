@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING
 
 import torch
@@ -21,6 +21,7 @@ from torch import Tensor
 from engine.kv_cache import KVPool
 from engine.models.dflash import DFlashDrafter
 from engine.models.kimi import KimiForCausalLM
+from ops.attention import PrefixKernel
 from ops.sampling import target_probs
 from ops.tree import DDTree, build_ddtree, chain_tree
 from ops.verify import Decision, tree_greedy, tree_sample
@@ -119,6 +120,9 @@ class Models:
     sparse_moe: bool = False
     # Tensor parallelism (engine.parallel): this rank's group; None in a single process.
     tp: TensorParallel | None = None
+    # Planned prefix-attention kernels per (padded) batch size (`ops.attention_gpu`, CUDA);
+    # sizes without one use the torch prefix pass.
+    prefix: dict[int, PrefixKernel] = field(default_factory=dict)
 
     @property
     def aux_layers(self) -> tuple[int, ...]:
@@ -218,7 +222,8 @@ def spec_step(models: Models, pool: KVPool, buf: StepBuffers, shape: StepShape,
         aux_layers = models.aux_layers if shape.mode != "ar" else ()
         logits, aux = models.target.verify(
             tree.tokens, tree.depth + buf.cache_len[:, None], pool.target, ctx_slots,
-            buf.cache_len, tree.visible, buf.tree_kv, aux_layers, models.sparse_moe)
+            buf.cache_len, tree.visible, buf.tree_kv, aux_layers, models.sparse_moe,
+            models.prefix.get(buf.anchor.shape[0]))
     with timer("decide"):
         dec = decide(logits, tree, buf, shape)
         if models.tp is not None:

@@ -9,10 +9,14 @@ All functions are fixed-shape and graph-safe.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import Tensor
 
 NEG_INF = float("-inf")
+# (q_lat, q_pe, kv_cache, ctx_len) -> (latent output, natural-log LSE), like `prefix_attention`
+PrefixKernel = Callable[[Tensor, Tensor, Tensor, Tensor], tuple[Tensor, Tensor]]
 
 
 def mla_naive(
@@ -93,8 +97,15 @@ def merge_states(o1: Tensor, lse1: Tensor, o2: Tensor, lse2: Tensor) -> Tensor:
 def absorbed_attention(
     q_lat: Tensor, q_pe: Tensor, kv_cache: Tensor, slots: Tensor, ctx_len: Tensor,
     tree_kv: Tensor, visible: Tensor, kv_lora_rank: int, scale: float,
+    prefix: PrefixKernel | None = None,
 ) -> Tensor:
-    """Prefix pass + tree pass + merge: verify/decode attention in latent space `[bs, Q, H, R]`."""
-    o1, l1 = prefix_attention(q_lat, q_pe, kv_cache, slots, ctx_len, kv_lora_rank, scale)
+    """Prefix pass + tree pass + merge: verify/decode attention in latent space `[bs, Q, H, R]`.
+
+    `prefix` replaces the torch prefix pass with a planned kernel (`ops.attention_gpu`) that
+    reads the pages it was planned with instead of `slots`."""
+    if prefix is not None:
+        o1, l1 = prefix(q_lat, q_pe, kv_cache, ctx_len)
+    else:
+        o1, l1 = prefix_attention(q_lat, q_pe, kv_cache, slots, ctx_len, kv_lora_rank, scale)
     o2, l2 = tree_attention(q_lat, q_pe, tree_kv, visible, kv_lora_rank, scale)
     return merge_states(o1, l1, o2, l2)

@@ -241,3 +241,24 @@ def test_planner_runs_outside_the_step_with_the_loaded_buffers(models):
     reqs = prefilled(models, pool, shape, PROMPTS, _params(False))
     runner.step(reqs)
     assert calls == [(4, [r.cache_len for r in reqs] + [0], False)]
+
+
+def test_llm_budget_policy_keeps_greedy_output(tmp_path, monkeypatch):
+    """An engine built with a per-size budget table captures each size at its own budget and
+    still emits exactly the AR tokens, alone and batched."""
+    from engine import LLM
+
+    target, draft = write_pair(tmp_path)
+    policy = tmp_path / "budgets.toml"
+    write_budgets(policy, {1: 3, 2: 9})
+    prompts = [[5, 6, 7], list(range(20, 45)), [9] * 11]
+    params = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    ar = LLM(target, mode="ar", max_batch_size=2, progress=False).generate(prompts, params)
+    use_oracle(monkeypatch)
+    llm = LLM(target, draft, mode="tree", budget=5, max_batch_size=2, budget_policy=str(policy),
+              progress=False)
+    assert llm.runner.budgets == {1: 3, 2: 9}
+    assert [llm.runner.shapes[(bs, False)].num_nodes for bs in (1, 2)] == [4, 10]
+    tree = llm.generate(prompts, params)
+    assert [o.token_ids for o in tree] == [o.token_ids for o in ar]
+    assert llm.stats["mean_accept_len"] > 1.5

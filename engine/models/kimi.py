@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from engine.config import ModelConfig
-from ops.attention import absorbed_attention, mla_naive
+from ops.attention import PrefixKernel, absorbed_attention, mla_naive
 from ops.moe import experts_dense, experts_sparse, route_noaux_tc
 from ops.rope import apply_rope_interleaved, rope_cos_sin, rope_frequencies
 
@@ -164,7 +164,7 @@ class MLA(nn.Module):
 
     def forward_absorbed(
         self, x: Tensor, cos: Tensor, sin: Tensor, kv_cache: Tensor, slots: Tensor,
-        ctx_len: Tensor, visible: Tensor, tree_kv_out: Tensor,
+        ctx_len: Tensor, visible: Tensor, tree_kv_out: Tensor, prefix: PrefixKernel | None = None,
     ) -> Tensor:
         """`x [bs, Q, H]`; writes the queries' own cache rows into `tree_kv_out [bs, Q, R + P]`."""
         c = self.cfg
@@ -173,7 +173,7 @@ class MLA(nn.Module):
         w_uk, w_uv = self._absorb_weights()
         q_lat = torch.einsum("bqhd,hdr->bqhr", q[..., :c.qk_nope_head_dim], w_uk)
         o_lat = absorbed_attention(q_lat, q[..., c.qk_nope_head_dim:], kv_cache, slots, ctx_len,
-                                   tree_kv_out, visible, c.kv_lora_rank, self.scale)
+                                   tree_kv_out, visible, c.kv_lora_rank, self.scale, prefix)
         o = torch.einsum("bqhr,hvr->bqhv", o_lat.to(x.dtype), w_uv)
         return self.o_proj(o.reshape(*x.shape[:-1], -1))
 
@@ -303,7 +303,7 @@ class KimiForCausalLM(nn.Module):
     def verify(
         self, tokens: Tensor, positions: Tensor, kv_cache: Tensor, slots: Tensor,
         ctx_len: Tensor, visible: Tensor, tree_kv_out: Tensor, aux_layers: Sequence[int] = (),
-        sparse_moe: bool = False,
+        sparse_moe: bool = False, prefix: PrefixKernel | None = None,
     ) -> tuple[Tensor, Tensor | None]:
         """Absorbed forward of `Q` query tokens per request against the paged latent cache.
 
@@ -312,14 +312,16 @@ class KimiForCausalLM(nn.Module):
         which query tokens each query sees (itself included); `tree_kv_out [layers, bs, Q, R + P]`
         receives the queries' own cache rows (the commit copies the accepted ones into the
         cache). Returns logits `[bs, Q, V]` (fp32) and the aux-layer features `[bs, Q, n * H]`.
-        `sparse_moe` picks the eager-only expert dispatch (see `ops.moe`).
+        `sparse_moe` picks the eager-only expert dispatch (see `ops.moe`); `prefix` a planned
+        prefix-attention kernel (one plan serves every layer).
         """
         cos, sin = self._rope(positions)
         h = self.model.embed_tokens(tokens)
         aux = []
         for i, layer in enumerate(self.model.layers):
             a = layer.self_attn.forward_absorbed(layer.input_layernorm(h), cos, sin, kv_cache[i],
-                                                 slots, ctx_len, visible, tree_kv_out[i])
+                                                 slots, ctx_len, visible, tree_kv_out[i],
+                                                 prefix)
             h = layer.ffn(h + a, sparse_moe)
             if i in aux_layers:
                 aux.append(h)
