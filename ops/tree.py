@@ -61,15 +61,22 @@ def _ordered_bits(w: Tensor) -> Tensor:
     return torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(torch.int64)
 
 
-def _top_by_weight(w: Tensor, k: int) -> Tensor:
+def _tie_breaker(m: int, device: torch.device) -> Tensor:
+    """Low key bits for `_top_by_weight` over `m` candidates: larger for smaller indices."""
+    return _LOW - 1 - torch.arange(m, device=device, dtype=torch.int64)
+
+
+def _top_by_weight(w: Tensor, k: int, tie: Tensor | None = None) -> Tensor:
     """Indices `[bs, k]` of the `k` largest `w` `[bs, M]`, ties to the smaller index, ascending.
 
     The candidates of each caller are laid out so that a smaller index is the lexicographically
     smaller rank tuple (shallower first), which keeps the kept set closed under ancestors and
-    previous siblings even with exactly tied weights.
+    previous siblings even with exactly tied weights. `tie` is `_tie_breaker(M)`, when the
+    caller reuses one.
     """
-    idx = torch.arange(w.shape[-1], device=w.device, dtype=torch.int64)
-    key = _ordered_bits(w) * _LOW + (_LOW - 1 - idx)
+    if tie is None:
+        tie = _tie_breaker(w.shape[-1], w.device)
+    key = _ordered_bits(w) * _LOW + tie
     top = torch.topk(key, k, dim=-1, sorted=False).indices
     return torch.sort(top, dim=-1).values
 
@@ -135,17 +142,20 @@ def build_ddtree(draft_logits: Tensor, budget: int, anchor_tokens: Tensor) -> DD
     pad = torch.full((bs, k - r), float("-inf"), device=dev, dtype=torch.float32)
     w = torch.cat([lp[:, 0], pad], dim=1)  # [bs, K]
     slots = torch.arange(k, device=dev, dtype=torch.int64).expand(bs, k)
-    ws, pars, ranks = [w], [torch.zeros_like(slots)], [slots.clamp(max=r - 1)]
+    # NOTE: the loop is the builder's hot path (L iterations of a few tiny ops): keep it short.
+    ws, keeps = [w], [slots]
+    tie = _tie_breaker(k * r, dev)
     for d in range(1, n_depth):
         ext = (w[:, :, None] + lp[:, d, None, :]).reshape(bs, k * r)  # flat = slot * R + rank
-        keep = _top_by_weight(ext, k)
+        keep = _top_by_weight(ext, k, tie)
         w = ext.gather(1, keep)
         ws.append(w)
-        pars.append(keep // r)
-        ranks.append(keep % r)
+        keeps.append(keep)
     cand_w = torch.stack(ws, 1).reshape(bs, n_depth * k)  # flat = depth * K + slot
-    cand_par = torch.stack(pars, 1)  # [bs, L, K]
-    cand_rank = torch.stack(ranks, 1).reshape(bs, n_depth * k)
+    kept = torch.stack(keeps, 1)  # [bs, L, K]; depth 0 holds the ranks themselves
+    cand_par = torch.where(torch.arange(n_depth, device=dev)[None, :, None] == 0, 0, kept // r)
+    cand_rank = torch.cat([slots.clamp(max=r - 1)[:, None], kept[:, 1:] % r], 1).reshape(
+        bs, n_depth * k)
 
     # NOTE: closure needs no repair pass: in fp32 a child's weight never exceeds its parent's or
     # its previous sibling's, and on a tie the shallower / lexicographically smaller one wins, so

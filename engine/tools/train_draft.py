@@ -63,13 +63,14 @@ def corpus_prompts(target_dir: Path, n: int, length: int, seed: int) -> list[lis
 def target_features(target: KimiForCausalLM, seqs: torch.Tensor, layers: tuple[int, ...],
                     batch: int = 16) -> torch.Tensor:
     """Aux-layer features `[n, T, len(layers) * H]` of equal-length sequences `[n, T]`."""
-    return torch.cat([target(seqs[i:i + batch], layers)[1] for i in range(0, len(seqs), batch)])
+    return torch.cat([target(seqs[i:i + batch], layers, sparse_moe=True)[1]
+                      for i in range(0, len(seqs), batch)])
 
 
 def train_drafter(target: KimiForCausalLM, drafter: DFlashDrafter, seqs: torch.Tensor,
                   start: int, *, steps: int = 300, seqs_per_step: int = 8, anchors: int = 8,
                   lr: float = 3e-3, seed: int = 0, log_every: int = 0,
-                  curve: list[tuple[int, float]] | None = None) -> float:
+                  curve: list[tuple[int, float]] | None = None, autocast: bool = False) -> float:
     """Train `drafter` in place on `seqs [n, T]` (equal lengths); anchors are drawn from
     positions `>= start` (the continuation: only the target's own tokens are learned).
     Returns the last loss."""
@@ -91,7 +92,8 @@ def train_drafter(target: KimiForCausalLM, drafter: DFlashDrafter, seqs: torch.T
     t0, loss_v = time.time(), float("nan")
     for step in range(steps):
         sel = torch.randint(0, n, (seqs_per_step,), generator=g)
-        ctx = drafter.context_kv(feats[sel], pos_all.expand(seqs_per_step, T))
+        with torch.autocast(seqs.device.type, dtype=torch.bfloat16, enabled=autocast):
+            ctx = drafter.context_kv(feats[sel], pos_all.expand(seqs_per_step, T))
         ctx = ctx.repeat_interleave(anchors, dim=1)  # [layers, rows, T, kv]
         rows = sel.repeat_interleave(anchors)
         p = torch.randint(start, T - 1, (len(rows),), generator=g)
@@ -101,8 +103,10 @@ def train_drafter(target: KimiForCausalLM, drafter: DFlashDrafter, seqs: torch.T
         pos = p[:, None] + torch.arange(B)
         tgt_pos = pos[:, 1:]
         labels = torch.where(tgt_pos < T, seqs[rows[:, None], tgt_pos.clamp(max=T - 1)], -100)
-        h = drafter(emb(block).detach(), pos, ctx, valid)
-        logits = target.lm_head(h[:, 1:]).float()
+        # bf16 autocast (about 2x faster on CPUs with AVX512-BF16); master weights stay fp32
+        with torch.autocast(seqs.device.type, dtype=torch.bfloat16, enabled=autocast):
+            h = drafter(emb(block).detach(), pos, ctx, valid)
+            logits = target.lm_head(h[:, 1:]).float()
         ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1),
                              reduction="none", ignore_index=-100).view(len(rows), L)
         loss = (ce * w).sum() / (w * (labels != -100)).sum()
@@ -158,12 +162,13 @@ def main(argv: list[str] | None = None) -> None:
     drafter = DFlashDrafter(DraftConfig.from_dict(conf), target.cfg.hidden_size)
     curve: list[tuple[int, float]] = []
     loss = train_drafter(target, drafter, seqs, a.prompt_len, steps=a.steps, lr=a.lr,
-                         seed=a.seed, log_every=100, curve=curve)
+                         seed=a.seed, log_every=100, curve=curve, autocast=True)
     drafter.save(a.out, conf)
     target_files = sorted(p for p in a.target.glob("*.safetensors"))
     record = {
         "command": "python -m engine.tools.train_draft " + " ".join(argv or sys.argv[1:]),
         "seed": a.seed, "steps": a.steps, "lr": a.lr, "torch": torch.__version__,
+        "precision": "bf16 autocast, fp32 master weights",
         "seconds": round(time.time() - t_start), "final_loss": round(loss, 4),
         "loss_curve": curve,
         "data": {"prompts": len(prompts), "prompt_len": a.prompt_len,
