@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from engine.config import ConfigError, _read_json, _rope_fields
@@ -120,15 +121,15 @@ class DraftAttention(nn.Module):
         q = apply_rope_half(q, cos, sin)
         kv = torch.cat([ctx_kv, self.kv(x, cos, sin)], dim=1)  # [bs, C + B, kv_dim]
         half = kv.shape[-1] // 2
-        k = kv[..., :half].view(bs, -1, c.num_key_value_heads, c.head_dim)
-        v = kv[..., half:].view(bs, -1, c.num_key_value_heads, c.head_dim)
-        rep = c.num_attention_heads // c.num_key_value_heads
-        k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
+        k = kv[..., :half].view(bs, -1, c.num_key_value_heads, c.head_dim).transpose(1, 2)
+        v = kv[..., half:].view(bs, -1, c.num_key_value_heads, c.head_dim).transpose(1, 2)
         valid = torch.cat([ctx_valid, ctx_valid.new_ones(bs, B)], dim=1)
-        s = torch.einsum("bqhd,bkhd->bhqk", q.float(), k.float()) * c.head_dim ** -0.5
-        s = s.masked_fill(~valid[:, None, None, :], float("-inf"))
-        o = torch.einsum("bhqk,bkhd->bqhd", torch.softmax(s, dim=-1), v.float()).to(x.dtype)
-        return self.o_proj(o.reshape(bs, B, -1))
+        # NOTE: grouped-query attention without materializing repeated K/V; every row sees at
+        # least the block itself, so no row is fully masked.
+        o = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.to(q.dtype), v.to(q.dtype), attn_mask=valid[:, None, None, :],
+            enable_gqa=c.num_attention_heads != c.num_key_value_heads)
+        return self.o_proj(o.transpose(1, 2).reshape(bs, B, -1))
 
 
 class DraftLayer(nn.Module):

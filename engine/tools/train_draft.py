@@ -46,7 +46,7 @@ def corpus_prompts(target_dir: Path, n: int, length: int, seed: int) -> list[lis
     from engine.tools import corpus
 
     tok = Tokenizer.from_dir(target_dir)
-    docs = corpus.read_split("train")
+    docs = [d for d in corpus.read_split("train") if d[1].strip()]
     g = random.Random(seed)
     out: list[list[int]] = []
     while len(out) < n:
@@ -147,6 +147,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--new-tokens", type=int, default=96)
     ap.add_argument("--steps", type=int, default=3000)
     ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--seqs-per-step", type=int, default=8, help="sequences per batch")
+    ap.add_argument("--anchors", type=int, default=8, help="anchor positions per sequence")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     a = ap.parse_args(argv)
@@ -162,12 +164,14 @@ def main(argv: list[str] | None = None) -> None:
     drafter = DFlashDrafter(DraftConfig.from_dict(conf), target.cfg.hidden_size)
     curve: list[tuple[int, float]] = []
     loss = train_drafter(target, drafter, seqs, a.prompt_len, steps=a.steps, lr=a.lr,
-                         seed=a.seed, log_every=100, curve=curve, autocast=True)
+                         seqs_per_step=a.seqs_per_step, anchors=a.anchors, seed=a.seed,
+                         log_every=100, curve=curve, autocast=True)
     drafter.save(a.out, conf)
     target_files = sorted(p for p in a.target.glob("*.safetensors"))
     record = {
         "command": "python -m engine.tools.train_draft " + " ".join(argv or sys.argv[1:]),
-        "seed": a.seed, "steps": a.steps, "lr": a.lr, "torch": torch.__version__,
+        "seed": a.seed, "steps": a.steps, "lr": a.lr, "seqs_per_step": a.seqs_per_step,
+        "anchors": a.anchors, "torch": torch.__version__,
         "precision": "bf16 autocast, fp32 master weights",
         "seconds": round(time.time() - t_start), "final_loss": round(loss, 4),
         "loss_curve": curve,
