@@ -333,8 +333,11 @@ def main(argv: list[str] | None = None) -> int:
         result["policy"] = {"path": str(path), "budgets": policy}
     tel.close()
     out = Path(a.output)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(result, indent=2) + "\n")
+    except OSError as e:
+        raise SystemExit(f"--output {out}: cannot write the results ({e})") from e
     sys.stderr.flush()
     print(table(rows))
     if not graphs:

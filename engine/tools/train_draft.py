@@ -147,6 +147,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--new-tokens", type=int, default=96)
     ap.add_argument("--steps", type=int, default=3000)
     ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--init", type=Path,
+                    help="start from this drafter's weights (continue a previous run)")
     ap.add_argument("--seqs-per-step", type=int, default=8, help="sequences per batch")
     ap.add_argument("--anchors", type=int, default=8, help="anchor positions per sequence")
     ap.add_argument("--seed", type=int, default=0)
@@ -162,6 +164,13 @@ def main(argv: list[str] | None = None) -> None:
     seqs = torch.tensor(greedy_sequences(a.target, prompts, a.new_tokens, progress=True))
     conf = draft_config(a.target, a.layers, a.block_size, target_layer_ids=a.target_layers)
     drafter = DFlashDrafter(DraftConfig.from_dict(conf), target.cfg.hidden_size)
+    if a.init:
+        init_conf = DraftConfig.from_dir(a.init)
+        if init_conf != DraftConfig.from_dict(conf, source=init_conf.source):
+            raise SystemExit(f"--init {a.init}: its config differs from the requested drafter")
+        start = DFlashDrafter.from_dir(a.init, target.cfg.hidden_size)
+        drafter.load_state_dict({k: v.float() for k, v in start.state_dict().items()})
+        print(f"starting from {a.init}", flush=True)
     curve: list[tuple[int, float]] = []
     loss = train_drafter(target, drafter, seqs, a.prompt_len, steps=a.steps, lr=a.lr,
                          seqs_per_step=a.seqs_per_step, anchors=a.anchors, seed=a.seed,
@@ -175,6 +184,9 @@ def main(argv: list[str] | None = None) -> None:
         "precision": "bf16 autocast, fp32 master weights",
         "seconds": round(time.time() - t_start), "final_loss": round(loss, 4),
         "loss_curve": curve,
+        "init": str(a.init) if a.init else None,
+        "init_training": (json.loads((a.init / "training.json").read_text())
+                          if a.init and (a.init / "training.json").is_file() else None),
         "data": {"prompts": len(prompts), "prompt_len": a.prompt_len,
                  "new_tokens": a.new_tokens, "source": "windows of the target's corpus train "
                  "split (engine.tools.corpus), continued greedily by the target"},
