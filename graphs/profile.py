@@ -3,13 +3,16 @@
     python -m graphs.profile [--model DIR --draft DIR] [--batch-sizes 1,2,4,8] [--budget 16]
         [--mode tree|chain|ar] [--steps N] [--prompt-len T] [--temperature T] [--device cuda]
         [--output runs/profile/profile.json] [--tune --tune-budgets 4,8,16,32,64
-        --policy-out configs/budgets.toml]
+        --policy-out configs/budgets.toml] [--tp N under torchrun]
 
 For each batch size: capture time, graph memory, replay latency against the eager latency of the
 same step, time per phase (eager, synchronized at phase edges), tokens per step, and GPU
 telemetry from NVML. Each batch runs real requests (random prompts of `--prompt-len` tokens,
 prefilled) through the runner; the eager and the replayed runs start from the same state and
 must emit the same tokens. Without CUDA it profiles the eager step on the CPU and says so.
+
+Under `torchrun --nproc-per-node N ... --tp N` every rank runs the same steps and the table
+adds the all-reduce share of the eager step.
 
 `--tune` measures accepted length and step time per (batch size, budget) and writes the budget
 policy table (`graphs.policy`) that maximizes tokens per second at each batch size.
@@ -80,6 +83,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--tune-budgets", type=_ints, default=[4, 8, 16, 32, 64])
     ap.add_argument("--policy-out", default=str(DEFAULT_POLICY),
                     help="where --tune writes the budget table")
+    ap.add_argument("--tp", type=int, default=1,
+                    help="tensor-parallel ranks (run under torchrun --nproc-per-node N): adds "
+                         "the all-reduce share of the eager step")
     ap.add_argument("--no-progress", action="store_true")
     return ap
 
@@ -90,7 +96,8 @@ def build_parser() -> argparse.ArgumentParser:
 class Bench:
     """Models, one pool for the largest batch, and request factories."""
 
-    def __init__(self, a: argparse.Namespace, device: torch.device, dtype: torch.dtype):
+    def __init__(self, a: argparse.Namespace, device: torch.device, dtype: torch.dtype,
+                 tp: Any = None):
         from engine.llm import DEFAULT_DRAFT, DEFAULT_MODEL
         from engine.models.dflash import DFlashDrafter
         from engine.models.kimi import KimiForCausalLM
@@ -108,10 +115,13 @@ class Bench:
                 f"or use --mode ar.")
         self.model_dir, self.draft_dir = model, draft
         self.device, self.dtype = device, dtype
-        target = KimiForCausalLM.from_dir(model, device, dtype, progress=not a.no_progress)
-        drafter = (DFlashDrafter.from_dir(draft, target.cfg.hidden_size, device, dtype)
+        # NOTE: under tensor parallelism every rank runs this same script (same prompts, same
+        # steps), so the ranks' collectives line up without a leader.
+        target = KimiForCausalLM.from_dir(model, device, dtype, progress=not a.no_progress,
+                                          tp=tp)
+        drafter = (DFlashDrafter.from_dir(draft, target.cfg.hidden_size, device, dtype, tp=tp)
                    if a.mode != "ar" else None)
-        self.models = Models(target, drafter)
+        self.models = Models(target, drafter, tp=tp)
         self.a = a
         self.block = drafter.c.block_size if drafter else 2
         budgets = a.tune_budgets if a.tune else []
@@ -180,9 +190,12 @@ def _run(runner: StepGraphRunner, reqs: list[Request], warmup: int, steps: int,
     """Advance `reqs` through `warmup + steps` steps; time the last `steps`."""
     times, tokens, emitted = [], 0, []
     runner.timer.totals.clear()
+    tp = runner.models.tp
     for i in range(warmup + steps):
         if i == warmup:
             runner.timer.totals.clear()
+            if tp is not None:
+                tp.comm.reset()
         _sync(device)
         t0 = time.perf_counter()
         out, acc = runner.step(reqs)
@@ -194,8 +207,9 @@ def _run(runner: StepGraphRunner, reqs: list[Request], warmup: int, steps: int,
         if i >= warmup:
             times.append(dt)
             tokens += sum(len(t) for t in out)
+    comm = tp.comm.seconds.get("all_reduce", 0.0) if tp is not None else None
     return {"median_s": statistics.median(times), "total_s": sum(times), "tokens": tokens,
-            "emitted": emitted, "phases": dict(runner.timer.totals)}
+            "emitted": emitted, "phases": dict(runner.timer.totals), "allreduce_s": comm}
 
 
 def profile_size(bench: Bench, bs: int, budget: int, graphs: bool, tel: Telemetry
@@ -206,7 +220,12 @@ def profile_size(bench: Bench, bs: int, budget: int, graphs: bool, tel: Telemetr
     # NOTE: both runs start from this state with fresh coin streams, so they must agree.
     start = _snapshot(bench.requests(bs, runner))
     runner.timer = PhaseTimer(sync=dev.type == "cuda")
+    tp = bench.models.tp
+    if tp is not None:
+        tp.timed = True  # eager only: a replayed graph's collectives are not seen
     eager = _run(runner, _snapshot(start), a.warmup, a.steps, dev)
+    if tp is not None:
+        tp.timed = False
     row: dict[str, Any] = {
         "batch_size": bs, "budget": runner.budgets[bs] if a.mode == "tree" else None,
         "nodes": runner.shape.num_nodes,
@@ -215,6 +234,8 @@ def profile_size(bench: Bench, bs: int, budget: int, graphs: bool, tel: Telemetr
         "tokens_per_step": eager["tokens"] / (a.steps * bs),
         "capture_s": None, "graph_bytes": None, "replay_ms": None, "speedup": None,
         "replay_matches_eager": None,
+        "allreduce_share": (eager["allreduce_s"] / eager["total_s"]
+                            if eager["allreduce_s"] is not None else None),
     }
     best = eager
     if graphs:
@@ -249,7 +270,7 @@ def _f(x: Any, fmt: str, width: int) -> str:
 def table(rows: list[dict[str, Any]]) -> str:
     head = (f"{'bs':>4} {'budget':>6} {'capture s':>9} {'graph MiB':>9} {'eager ms':>9} "
             f"{'replay ms':>9} {'x eager':>7} {'tok/step':>8} {'tok/s':>9} "
-            + " ".join(f"{p + ' ms':>9}" for p in PHASES) + f" {'J/tok':>7}")
+            + " ".join(f"{p + ' ms':>9}" for p in PHASES) + f" {'J/tok':>7} {'allred %':>8}")
     lines = [head]
     for r in rows:
         mib = None if r["graph_bytes"] is None else r["graph_bytes"] / 2**20
@@ -258,7 +279,8 @@ def table(rows: list[dict[str, Any]]) -> str:
             f"{_f(mib, '.1f', 9)} {r['eager_ms']:9.2f} {_f(r['replay_ms'], '.2f', 9)} "
             f"{_f(r['speedup'], '.2f', 7)} {r['tokens_per_step']:8.2f} {r['tokens_per_s']:9.1f} "
             + " ".join(f"{r['phase_ms'][p]:9.2f}" for p in PHASES)
-            + f" {_f(r.get('joules_per_token'), '.3f', 7)}")
+            + f" {_f(r.get('joules_per_token'), '.3f', 7)}"
+            + f" {_f(r['allreduce_share'] and 100 * r['allreduce_share'], '.1f', 8)}")
     return "\n".join(lines)
 
 
@@ -294,13 +316,31 @@ def main(argv: list[str] | None = None) -> int:
     progress = not a.no_progress
     if a.threads or device.type == "cpu":
         torch.set_num_threads(a.threads or 1)
+    tp = None
     try:
-        bench = Bench(a, device, dtype)
+        if a.tp != 1:
+            from engine.parallel import TensorParallel
+
+            tp = TensorParallel.init(a.tp, device)
+            device = tp.device
+            progress = progress and tp.rank == 0
+            a.no_progress = not progress
+        bench = Bench(a, device, dtype, tp)
     except (FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    try:
+        return _profile(a, bench, device, dtype, graphs, progress)
+    finally:
+        if tp is not None:
+            tp.close()
+
+
+def _profile(a: argparse.Namespace, bench: Bench, device: torch.device, dtype: torch.dtype,
+             graphs: bool, progress: bool) -> int:
+    leader = bench.models.tp is None or bench.models.tp.rank == 0
     tel = Telemetry(device.index or 0, enabled=graphs)
-    if not graphs:
+    if not graphs and leader:
         print(f"note: {NO_GRAPHS}.", file=sys.stderr)
     from tqdm import tqdm
 
@@ -319,6 +359,11 @@ def main(argv: list[str] | None = None) -> int:
         "prompt_len": a.prompt_len, "steps": a.steps, "temperature": a.temperature,
         "torch": torch.__version__, "gpu": tel.static(), "results": rows,
     }
+    tel.close()
+    if not leader:
+        return 0  # every rank measured; rank 0 reports
+    if bench.models.tp is not None:
+        result["tp"] = bench.models.tp.world
     if a.tune:
         best: dict[int, dict[str, Any]] = {}
         for m in tuned:
@@ -331,7 +376,6 @@ def main(argv: list[str] | None = None) -> int:
             f"{'graph replay' if graphs else 'eager'} step time"))
         result["tune"] = tuned
         result["policy"] = {"path": str(path), "budgets": policy}
-    tel.close()
     out = Path(a.output)
     try:
         out.parent.mkdir(parents=True, exist_ok=True)

@@ -319,3 +319,19 @@ def test_presets_are_engine_configs():
     nv = tomllib.loads((REPO / "configs" / "tp8-nvlink.toml").read_text())["engine"]
     pcie = tomllib.loads((REPO / "configs" / "tp8-pcie.toml").read_text())["engine"]
     assert pcie["budget"] < nv["budget"] and pcie["max_batch_size"] < nv["max_batch_size"]
+
+
+def test_profile_reports_allreduce_share_under_torchrun(pair, tmp_path):
+    """`graphs.profile --tp 2` runs the same eager steps on both ranks and reports how much of
+    the step the all-reduces take (rank 0 writes the results)."""
+    model, draft = pair
+    out = tmp_path / "profile.json"
+    r = torchrun(2, "-m", "graphs.profile", "--tp", "2", "--model", str(model), "--draft",
+                 str(draft), "--batch-sizes", "1,2", "--steps", "2", "--warmup", "1",
+                 "--prompt-len", "8", "--no-progress", "--output", str(out))
+    assert r.returncode == 0, r.stderr[-4000:]
+    res = json.loads(out.read_text())
+    assert res["tp"] == 2 and [x["batch_size"] for x in res["results"]] == [1, 2]
+    for row in res["results"]:
+        assert 0.0 < row["allreduce_share"] < 1.0
+    assert "allred %" in r.stdout
