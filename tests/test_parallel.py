@@ -239,8 +239,6 @@ def test_serve_under_torchrun(pair, tmp_path):
             proc.wait()
 
 
-@pytest.mark.skipif(not all((p / "config.json").is_file() for p in BUNDLED),
-                    reason="the bundled model and drafter are not trained yet")
 def test_tp_equals_single_process_bundled(tmp_path):
     model, draft = BUNDLED
     runs = [{"mode": "tree", "max_new_tokens": 16}, {"mode": "chain", "max_new_tokens": 16},
