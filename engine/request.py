@@ -39,6 +39,13 @@ class Request:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
+    def fork(self) -> Request:
+        """The same tokens, pages and cache length, with the coin stream restarted from the
+        seed (so two runs from one state draw equal coins)."""
+        c = Request(self.rid, list(self.prompt_ids), self.params)
+        c.output_ids, c.pages, c.cache_len = list(self.output_ids), list(self.pages), self.cache_len
+        return c
+
     def coins(self, n: int) -> torch.Tensor:
         """`n` uniforms in [0, 1) from this request's own stream (none drawn when greedy)."""
         if self.params.greedy:

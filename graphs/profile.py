@@ -172,12 +172,7 @@ class Bench:
 
 
 def _snapshot(reqs: list[Request]) -> list[Request]:
-    out = []
-    for r in reqs:
-        c = Request(r.rid, list(r.prompt_ids), r.params)
-        c.output_ids, c.pages, c.cache_len = list(r.output_ids), list(r.pages), r.cache_len
-        out.append(c)
-    return out
+    return [r.fork() for r in reqs]
 
 
 def _sync(device: torch.device) -> None:

@@ -77,12 +77,7 @@ def prefilled(models: Models, pool: KVPool, shape: StepShape, prompts: list[list
 
 def fresh_copies(reqs: list[Request]) -> list[Request]:
     """Same state, coin streams restarted from each request's seed (so runs draw equal coins)."""
-    out = []
-    for r in reqs:
-        c = Request(r.rid, list(r.prompt_ids), r.params)
-        c.output_ids, c.pages, c.cache_len = list(r.output_ids), list(r.pages), r.cache_len
-        out.append(c)
-    return out
+    return [r.fork() for r in reqs]
 
 
 @dataclass
