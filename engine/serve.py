@@ -663,6 +663,21 @@ class Server:
             self.close(h)
 
 
+def _envelope(rid: str, created: int, model: str, kind: str, prep: Any) -> Any:
+    """The OpenAI response object builder shared by completions and chat: `(choices, usage)`
+    -> the object; usage appears on non-streamed responses, on the final streamed chunk, and on
+    every streamed chunk (as null) when the client asked for usage."""
+
+    def obj(choices: list[dict[str, Any]], usage: dict[str, int] | None) -> dict[str, Any]:
+        o: dict[str, Any] = {"id": rid, "object": kind, "created": created, "model": model,
+                             "choices": choices}
+        if usage is not None or not prep.stream or prep.include_usage:
+            o["usage"] = usage
+        return o
+
+    return obj
+
+
 def _usage(prompt: int, completion: int) -> dict[str, int]:
     return {"prompt_tokens": prompt, "completion_tokens": completion,
             "total_tokens": prompt + completion}
@@ -823,14 +838,8 @@ def build_app(llm: LLM, served_model_name: str, max_queue: int = 256) -> FastAPI
     async def completions(http: Request) -> Response:
         prep = await srv.prepare_completion(await _parse(http, CompletionBody))
         h = await srv.start(prep, http)
-        rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
-
-        def obj(choices: list[dict[str, Any]], usage: dict[str, int] | None) -> dict[str, Any]:
-            o: dict[str, Any] = {"id": rid, "object": "text_completion", "created": created,
-                                 "model": srv.name, "choices": choices}
-            if usage is not None or not prep.stream or prep.include_usage:
-                o["usage"] = usage
-            return o
+        obj = _envelope(f"cmpl-{uuid.uuid4().hex}", int(time.time()), srv.name,
+                        "text_completion", prep)
 
         if prep.stream:
             def chunk(text: str | None, reason: str | None) -> dict[str, Any]:
@@ -849,32 +858,23 @@ def build_app(llm: LLM, served_model_name: str, max_queue: int = 256) -> FastAPI
     async def chat(http: Request) -> Response:
         prep = await srv.prepare_chat(await _parse(http, ChatBody))
         h = await srv.start(prep, http)
-        rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
-
-        def obj(kind: str, choices: list[dict[str, Any]],
-                usage: dict[str, int] | None) -> dict[str, Any]:
-            o: dict[str, Any] = {"id": rid, "object": kind, "created": created,
-                                 "model": srv.name, "choices": choices}
-            if usage is not None or not prep.stream or prep.include_usage:
-                o["usage"] = usage
-            return o
+        obj = _envelope(f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), srv.name,
+                        "chat.completion.chunk" if prep.stream else "chat.completion", prep)
 
         if prep.stream:
             def chunk(text: str | None, reason: str | None) -> dict[str, Any]:
                 delta = {} if text is None else {"content": text}
-                return obj("chat.completion.chunk", [{"index": 0, "delta": delta,
-                                                      "logprobs": None,
-                                                      "finish_reason": reason}], None)
+                return obj([{"index": 0, "delta": delta, "logprobs": None,
+                             "finish_reason": reason}], None)
 
-            first = obj("chat.completion.chunk", [{
+            first = obj([{
                 "index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                 "finish_reason": None}], None)
             return _SSEResponse(
-                srv.stream(h, http, prep, chunk, lambda u: obj("chat.completion.chunk", [], u),
-                           first),
+                srv.stream(h, http, prep, chunk, lambda u: obj([], u), first),
                 lambda: srv.close(h))
         ids, text, reason = await srv.collect(h, http)
-        return JSONResponse(obj("chat.completion", [{
+        return JSONResponse(obj([{
             "index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
             "finish_reason": reason}], _usage(len(prep.prompt_ids), len(ids))))
 
