@@ -25,7 +25,7 @@ import torch
 
 from bench.common import environment, table, write_results
 from engine.config import SamplingParams
-from engine.llm import DEFAULT_DRAFT, DEFAULT_MODEL, LLM
+from engine.llm import DEFAULT_MODEL, LLM, model_pair
 
 PHASES = ("draft", "build", "verify", "decide", "commit", "host", "prefill+sched")
 
@@ -112,8 +112,7 @@ def main(argv: list[str] | None = None) -> None:
         draft = make_draft(model, Path(tmp.name) / "draft", layers=1, block_size=8)
         print(f"using a random tiny target at {model}")
     else:
-        model = Path(a.model) if a.model else DEFAULT_MODEL
-        draft = Path(a.draft) if a.draft else (DEFAULT_DRAFT if not a.model else None)
+        model, draft = model_pair(a.model, a.draft)
         if not (model / "config.json").is_file():
             raise SystemExit(f"{model}: no model here (config.json missing); pass --model DIR "
                              f"or --random")

@@ -27,6 +27,14 @@ REPO = Path(__file__).resolve().parent.parent
 DEFAULT_MODEL = REPO / "models" / "kimi-mini"
 DEFAULT_DRAFT = REPO / "models" / "kimi-mini-dflash"
 
+
+def model_pair(model: str | Path | None, draft: str | Path | None) -> tuple[Path, Path | None]:
+    """The target and drafter directories to use: the bundled pair when no model is given
+    (a given drafter still wins), else the given ones (no drafter unless given)."""
+    if model is None:
+        return DEFAULT_MODEL, Path(draft) if draft else DEFAULT_DRAFT
+    return Path(model), Path(draft) if draft else None
+
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
 
@@ -74,8 +82,7 @@ class LLM:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {cfg.dtype!r}")
         if cfg.max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {cfg.max_batch_size}")
-        if model is None:
-            model, draft = DEFAULT_MODEL, (draft or DEFAULT_DRAFT)
+        model, draft = model_pair(model, draft)
         self.model_dir = Path(model)
         if not (self.model_dir / "config.json").is_file():
             raise FileNotFoundError(

@@ -221,7 +221,7 @@ def spec_step(models: Models, pool: KVPool, buf: StepBuffers, shape: StepShape,
     with timer("verify"):
         aux_layers = models.aux_layers if shape.mode != "ar" else ()
         logits, aux = models.target.verify(
-            tree.tokens, tree.depth + buf.cache_len[:, None], pool.target, ctx_slots,
+            tree.tokens, tree.positions(buf.cache_len), pool.target, ctx_slots,
             buf.cache_len, tree.visible, buf.tree_kv, aux_layers, models.sparse_moe,
             models.prefix.get(buf.anchor.shape[0]))
     with timer("decide"):

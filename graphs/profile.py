@@ -98,12 +98,11 @@ class Bench:
 
     def __init__(self, a: argparse.Namespace, device: torch.device, dtype: torch.dtype,
                  tp: Any = None):
-        from engine.llm import DEFAULT_DRAFT, DEFAULT_MODEL
+        from engine.llm import model_pair
         from engine.models.dflash import DFlashDrafter
         from engine.models.kimi import KimiForCausalLM
 
-        model = Path(a.model) if a.model else DEFAULT_MODEL
-        draft = Path(a.draft) if a.draft else (DEFAULT_DRAFT if not a.model else None)
+        model, draft = model_pair(a.model, a.draft)
         if not (model / "config.json").is_file():
             raise FileNotFoundError(
                 f"{model}: no model here (config.json missing). Pass --model DIR, or write a "
