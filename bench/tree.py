@@ -62,30 +62,13 @@ def plot(rows: list[dict[str, Any]]):
         for bs in sorted({r["bs"] for r in rows}):
             sub = [r for r in rows if r["bs"] == bs]
             budgets = [r["budget"] for r in sub]
-            (line,) = left.plot(
-                budgets, [r["build_ms"] for r in sub], "o-", label=f"device bs={bs}"
-            )
-            left.plot(
-                budgets,
-                [r["reference_ms"] for r in sub],
-                "s--",
-                color=line.get_color(),
-                label=f"heap bs={bs}",
-            )
-            right.plot(
-                budgets,
-                [r["sample_ms"] for r in sub],
-                "o-",
-                color=line.get_color(),
-                label=f"tree_sample bs={bs}",
-            )
-            right.plot(
-                budgets,
-                [r["greedy_ms"] for r in sub],
-                "^:",
-                color=line.get_color(),
-                label=f"tree_greedy bs={bs}",
-            )
+            (line,) = left.plot(budgets, [r["build_ms"] for r in sub], "o-",
+                                label=f"device bs={bs}")
+            for ax, key, style, name in [(left, "reference_ms", "s--", "heap"),
+                                         (right, "sample_ms", "o-", "tree_sample"),
+                                         (right, "greedy_ms", "^:", "tree_greedy")]:
+                ax.plot(budgets, [r[key] for r in sub], style, color=line.get_color(),
+                        label=f"{name} bs={bs}")
         for ax, title in [(left, "DDTree build (+ retrieval, mask)"), (right, "decide")]:
             ax.set_xscale("log", base=2)
             ax.set_yscale("log")
