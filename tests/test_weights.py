@@ -264,30 +264,25 @@ def test_wrong_shape_names_tensor_and_shapes(ckpts, tmp_path) -> None:
     assert name in msg and f"({rows + 1}, {cols})" in msg and f"({rows}, {cols})" in msg
 
 
-def test_wrong_int4_logical_shape_names_tensor(ckpts, tmp_path) -> None:
-    raw = _raw(ckpts["int4"])
-    name = "model.layers.1.mlp.experts.1.down_proj.weight"
-    raw[name + "_shape"] = raw[name + "_shape"] * 2
-    d = _rewrite(ckpts["int4"], tmp_path / "c", raw)
-    with pytest.raises(WeightsError, match=rf"{name}.*\(128, 64\).*\(64, 32\)"):
-        _load(d)
+CORRUPT_TENSOR = [
+    # (checkpoint, tensor, stored key suffix, change, expected message)
+    ("int4", "model.layers.1.mlp.experts.1.down_proj.weight", "_shape", lambda t: t * 2,
+     r"{name}.*\(128, 64\).*\(64, 32\)"),
+    ("single", "model.layers.0.mlp.up_proj.weight", "", lambda t: t.to(torch.int16),
+     r"{name}.*unsupported dtype I16"),
+    ("single", "model.layers.0.self_attn.o_proj.weight", "",
+     lambda t: t.to(torch.float8_e4m3fn), r"{name}.*F8_E4M3.*weight_scale_inv"),
+]
 
 
-def test_unsupported_dtype_names_tensor(ckpts, tmp_path) -> None:
-    raw = _raw(ckpts["single"])
-    name = "model.layers.0.mlp.up_proj.weight"
-    raw[name] = raw[name].to(torch.int16)
-    d = _rewrite(ckpts["single"], tmp_path / "c", raw)
-    with pytest.raises(WeightsError, match=rf"{name}.*unsupported dtype I16"):
-        _load(d)
-
-
-def test_fp8_without_scale_inv_names_tensor(ckpts, tmp_path) -> None:
-    raw = _raw(ckpts["single"])
-    name = "model.layers.0.self_attn.o_proj.weight"
-    raw[name] = raw[name].to(torch.float8_e4m3fn)
-    d = _rewrite(ckpts["single"], tmp_path / "c", raw)
-    with pytest.raises(WeightsError, match=rf"{name}.*F8_E4M3.*weight_scale_inv"):
+@pytest.mark.parametrize("ckpt,name,suffix,change,pattern", CORRUPT_TENSOR,
+                         ids=["int4_logical_shape", "unsupported_dtype", "fp8_no_scale_inv"])
+def test_corrupt_tensor_error_names_it(ckpts, tmp_path, ckpt, name, suffix, change,
+                                       pattern) -> None:
+    raw = _raw(ckpts[ckpt])
+    raw[name + suffix] = change(raw[name + suffix])
+    d = _rewrite(ckpts[ckpt], tmp_path / "c", raw)
+    with pytest.raises(WeightsError, match=pattern.format(name=name)):
         _load(d)
 
 
