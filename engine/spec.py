@@ -53,6 +53,12 @@ class StepShape:
         return 0 if self.mode == "ar" else self.block_size - 1
 
     @property
+    def draft_depth(self) -> int:
+        """Depths the drafter's distributions are needed for: a tree of `budget` nodes cannot
+        reach deeper than `budget`."""
+        return min(self.budget, self.depth) if self.mode == "tree" else self.depth
+
+    @property
     def num_nodes(self) -> int:
         """N: tree nodes including the root."""
         return {"tree": self.budget + 1, "chain": self.depth + 1, "ar": 1}[self.mode]
@@ -145,7 +151,8 @@ def slot_of(page_table: Tensor, pos: Tensor, page_size: int) -> Tensor:
 
 def draft(models: Models, pool: KVPool, buf: StepBuffers, shape: StepShape,
           ctx_slots: Tensor) -> Tensor:
-    """Draft logits `[bs, L, V]` for the block `[anchor, MASK x L]` at `cache_len ..`."""
+    """Draft logits `[bs, D, V]` (`D = shape.draft_depth`) for the block `[anchor, MASK x L]`
+    at `cache_len ..`."""
     target, drafter = models.target, models.drafter
     bs, B = buf.anchor.shape[0], shape.block_size
     block = torch.full((bs, B), drafter.c.mask_token_id, dtype=torch.int64,
@@ -156,7 +163,7 @@ def draft(models: Models, pool: KVPool, buf: StepBuffers, shape: StepShape,
     ctx_valid = torch.arange(ctx_slots.shape[1], device=block.device) < buf.cache_len[:, None]
     h = drafter(target.model.embed_tokens(block), positions, ctx_kv, ctx_valid)
     # NOTE: row 0 (the anchor's own) predicts nothing; row j predicts depth j.
-    return target.lm_head(h[:, 1:]).float()
+    return target.lm_head(h[:, 1:shape.draft_depth + 1]).float()
 
 
 def build(draft_logits: Tensor | None, buf: StepBuffers, shape: StepShape) -> DDTree:

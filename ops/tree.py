@@ -15,14 +15,12 @@ depth 0, `logw = -inf`, `valid = False`, and -1 in both retrieval arrays.
 from __future__ import annotations
 
 import heapq
+import math
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 from torch import Tensor
-
-# Packed sort keys: an order-preserving image of the fp32 weight above a 32-bit index.
-_LOW = 1 << 32
 
 
 @dataclass
@@ -55,29 +53,15 @@ def draft_topk(draft_logits: Tensor, r: int) -> tuple[Tensor, Tensor]:
     return torch.where(torch.isnan(vals), float("-inf"), vals), toks
 
 
-def _ordered_bits(w: Tensor) -> Tensor:
-    """int64 keys with the same order as the fp32 values `w` (no NaN): exact, no epsilons."""
-    bits = (w + 0.0).contiguous().view(torch.int32)  # + 0.0 folds -0.0 into +0.0
-    return torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(torch.int64)
-
-
-def _tie_breaker(m: int, device: torch.device) -> Tensor:
-    """Low key bits for `_top_by_weight` over `m` candidates: larger for smaller indices."""
-    return _LOW - 1 - torch.arange(m, device=device, dtype=torch.int64)
-
-
-def _top_by_weight(w: Tensor, k: int, tie: Tensor | None = None) -> Tensor:
+def _top_by_weight(w: Tensor, k: int) -> Tensor:
     """Indices `[bs, k]` of the `k` largest `w` `[bs, M]`, ties to the smaller index, ascending.
 
-    The candidates of each caller are laid out so that a smaller index is the lexicographically
+    A stable descending sort keeps equal weights (-0.0 and +0.0 included) in index order. The
+    candidates of each caller are laid out so that a smaller index is the lexicographically
     smaller rank tuple (shallower first), which keeps the kept set closed under ancestors and
-    previous siblings even with exactly tied weights. `tie` is `_tie_breaker(M)`, when the
-    caller reuses one.
+    previous siblings even with exactly tied weights.
     """
-    if tie is None:
-        tie = _tie_breaker(w.shape[-1], w.device)
-    key = _ordered_bits(w) * _LOW + tie
-    top = torch.topk(key, k, dim=-1, sorted=False).indices
+    top = torch.sort(w, dim=-1, descending=True, stable=True).indices[:, :k]
     return torch.sort(top, dim=-1).values
 
 
@@ -99,24 +83,22 @@ def _retrieval(parent: Tensor, valid: Tensor) -> tuple[Tensor, Tensor]:
     return next_token, next_sibling
 
 
-def _visible(parent: Tensor, rounds: int) -> Tensor:
-    """Ancestor-or-self relation `[bs, N, N]` by `rounds` steps of pointer chasing over `parent`."""
+def _visible(parent: Tensor, max_depth: int) -> Tensor:
+    """Ancestor-or-self relation `[bs, N, N]` of a forest of depth `max_depth`: "self or
+    parent" squared until it spans `max_depth` steps (counts stay exact in fp32)."""
     bs, n = parent.shape
-    eye = torch.eye(n, device=parent.device, dtype=torch.bool)
-    vis = eye.expand(bs, n, n).clone()
-    up = parent.clamp(min=0)  # the root points at itself, so extra rounds are harmless
-    ptr = up
-    for _ in range(rounds):
-        vis.scatter_(2, ptr.unsqueeze(-1), True)
-        ptr = up.gather(1, ptr)
-    return vis
+    reach = torch.eye(n, device=parent.device).expand(bs, n, n).clone()
+    reach.scatter_(2, parent.clamp(min=0).unsqueeze(-1), 1.0)  # the root is its own parent
+    for _ in range(math.ceil(math.log2(max(max_depth, 1)))):
+        reach = torch.bmm(reach, reach).clamp_(max=1.0)
+    return reach > 0
 
 
 def _finish(
     tokens: Tensor, parent: Tensor, depth: Tensor, logw: Tensor, valid: Tensor, max_depth: int
 ) -> DDTree:
     next_token, next_sibling = _retrieval(parent, valid)
-    visible = _visible(parent, max(max_depth, 1))
+    visible = _visible(parent, max_depth)
     return DDTree(tokens, parent, depth, logw, valid, next_token, next_sibling, visible)
 
 
@@ -127,11 +109,14 @@ def build_ddtree(draft_logits: Tensor, budget: int, anchor_tokens: Tensor) -> DD
     anchor_tokens `[bs]`. Returns a `DDTree` with `N = budget + 1`.
 
     Per depth, the `K` heaviest tuples are found among the `K x R` extensions of the previous
-    depth's `K` heaviest; the global `K` heaviest are then taken among the `L x K` survivors. Ties
-    prefer the shallower tuple, then the lexicographically smaller one.
+    depth's `K` heaviest; the global `K` heaviest are then taken among the `D x K` survivors. Ties
+    prefer the shallower tuple, then the lexicographically smaller one. Only the first
+    `D = min(L, K)` depths can hold a node (each node needs all its ancestors), so deeper rows
+    are never read; a caller may pass just those.
     """
-    bs, n_depth, vocab = draft_logits.shape
     k = budget
+    draft_logits = draft_logits[:, :k]
+    bs, n_depth, vocab = draft_logits.shape
     r = min(k, vocab)
     n = k + 1
     dev = draft_logits.device
@@ -144,10 +129,9 @@ def build_ddtree(draft_logits: Tensor, budget: int, anchor_tokens: Tensor) -> DD
     slots = torch.arange(k, device=dev, dtype=torch.int64).expand(bs, k)
     # NOTE: the loop is the builder's hot path (L iterations of a few tiny ops): keep it short.
     ws, keeps = [w], [slots]
-    tie = _tie_breaker(k * r, dev)
     for d in range(1, n_depth):
         ext = (w[:, :, None] + lp[:, d, None, :]).reshape(bs, k * r)  # flat = slot * R + rank
-        keep = _top_by_weight(ext, k, tie)
+        keep = _top_by_weight(ext, k)
         w = ext.gather(1, keep)
         ws.append(w)
         keeps.append(keep)

@@ -125,3 +125,26 @@ def test_int4_experts_model_matches_dequantized_model(tmp_path):
     ids = torch.randint(0, cfg.vocab_size, (1, 19), generator=torch.Generator().manual_seed(1))
     assert torch.equal(a(ids)[0], b(ids)[0])
     assert load_target_weights(q, cfg, progress=False).keys() == plain.keys()
+
+
+def test_joint_attention_equals_prefix_tree_merge():
+    """The one-softmax torch path equals the split prefix + tree + log-sum-exp merge form that a
+    planned prefix kernel uses, rows with an empty context included."""
+    from ops.attention import joint_attention, merge_states, prefix_attention, tree_attention
+
+    g = torch.Generator().manual_seed(0)
+    bs, Q, H, R, P, C = 3, 5, 4, 16, 8, 24
+    q_lat, q_pe = torch.randn(bs, Q, H, R, generator=g), torch.randn(bs, Q, H, P, generator=g)
+    kv_cache = torch.randn(bs * C, R + P, generator=g)
+    slots = torch.randperm(bs * C, generator=g)[: bs * C].view(bs, C)
+    ctx_len = torch.tensor([0, 7, C])
+    tree_kv = torch.randn(bs, Q, R + P, generator=g)
+    parent = torch.tensor([-1, 0, 0, 1, 3])
+    visible = torch.eye(Q, dtype=torch.bool)
+    for i in range(1, Q):
+        visible[i] |= visible[parent[i]]
+    visible = visible.expand(bs, Q, Q)
+    o1, l1 = prefix_attention(q_lat, q_pe, kv_cache, slots, ctx_len, R, 0.3)
+    o2, l2 = tree_attention(q_lat, q_pe, tree_kv, visible, R, 0.3)
+    got = joint_attention(q_lat, q_pe, kv_cache, slots, ctx_len, tree_kv, visible, R, 0.3)
+    torch.testing.assert_close(got, merge_states(o1, l1, o2, l2), rtol=1e-5, atol=1e-5)
