@@ -51,22 +51,22 @@ def experts_dense(x: Tensor, idx: Tensor, w: Tensor, w13: Tensor, w2: Tensor) ->
 def experts_sparse(x: Tensor, idx: Tensor, w: Tensor, w13: Tensor, w2: Tensor) -> Tensor:
     """Each token only through its chosen experts (eager only: data-dependent shapes).
 
-    Used for prefill, where the token count is large and the graph is not involved.
+    The (token, expert) pairs are sorted by expert once, so each expert runs on one contiguous
+    slice; the weighted outputs go back to their tokens with one `index_add_`.
     """
     T, k = idx.shape
     flat = idx.reshape(-1)
     order = flat.argsort(stable=True)
     counts = torch.bincount(flat, minlength=w13.shape[0]).tolist()
     tok = order // k
-    out = torch.zeros(T, x.shape[1], dtype=torch.float32, device=x.device)
+    xs = x[tok]  # [T * k, H], grouped by expert
+    ys = torch.empty(T * k, w2.shape[1], dtype=x.dtype, device=x.device)
     start = 0
     for e, n in enumerate(counts):
-        if n == 0:
-            continue
-        sel = order[start:start + n]
-        t = tok[start:start + n]
-        start += n
-        g, u = F.linear(x[t], w13[e]).chunk(2, dim=-1)
-        y = F.linear(F.silu(g) * u, w2[e])
-        out.index_add_(0, t, y.float() * w.reshape(-1)[sel, None].float())
-    return out.to(x.dtype)
+        if n:
+            g, u = F.linear(xs[start:start + n], w13[e]).chunk(2, dim=-1)
+            torch.mm(F.silu(g) * u, w2[e].t(), out=ys[start:start + n])
+            start += n
+    ys = ys.float() * w.reshape(-1)[order, None].float()
+    out = torch.zeros(T, x.shape[1], dtype=torch.float32, device=x.device)
+    return out.index_add_(0, tok, ys).to(x.dtype)
