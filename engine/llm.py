@@ -140,7 +140,7 @@ class LLM:
             [mc.eos_token_id] if mc.eos_token_id is not None else [])
         sched_kw: dict[str, Any] = dict(
             max_batch_size=cfg.max_batch_size, max_model_len=self.max_model_len,
-            stop_ids=stop_ids, detok=self.tokenizer.decode if self.tokenizer else None)
+            stop_ids=stop_ids, detok=self.decode if self.tokenizer else None)
         if self.tp is not None and self.tp.rank == 0:
             from engine.parallel import LeaderScheduler
 
@@ -193,7 +193,8 @@ class LLM:
         return self.tokenizer
 
     def decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids) if self.tokenizer else ""
+        """Output text: special tokens (`<|im_end|>`, reserved ids) leave no text."""
+        return self.tokenizer.decode(ids, skip_special_tokens=True) if self.tokenizer else ""
 
     def make_request(self, prompt_ids: list[int], params: SamplingParams) -> Request:
         req = Request(self._next_id, list(prompt_ids), params)

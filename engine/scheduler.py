@@ -9,7 +9,7 @@ on the host. Finished requests leave at once and free their pages.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -40,6 +40,24 @@ def prefill_caches(models: Models, pool: KVPool, ctx: list[int], pages: list[int
         kv = drafter.context_kv(aux[0], pos[0])
         pool.draft[:, slots] = kv.to(pool.draft.dtype)
     return logits
+
+
+def stop_may_end(detok: Callable[[list[int]], str], out: list[int], new: int,
+                 stops: Sequence[str]) -> bool:
+    """Whether a stop string may end in the text of the `new` last tokens of `out`.
+
+    Earlier steps ruled out every earlier end, so only a tail is decoded: one long enough to hold
+    the longest stop string before the new text, grown while special tokens (which leave no
+    text) or characters split across tokens keep it short. Callers confirm a hit on the whole
+    text, so a stop check costs a few tokens' decode per step instead of the whole output's."""
+    need = max(len(s) for s in stops) + 4  # characters; 4 cover a split character
+    new_chars = len(detok(out[-new:]))
+    n = new + need
+    while True:
+        tail = detok(out[-n:])
+        if n >= len(out) or len(tail) >= new_chars + need:
+            return any(s in tail for s in stops)
+        n *= 2
 
 
 class RequestRejected(ValueError):
@@ -162,7 +180,8 @@ class Scheduler:
                     len(req.prompt_ids) + len(req.output_ids) >= self.max_model_len:
                 req.finish_reason = "length"
                 break
-        if p.stop and self.detok is not None and kept:
+        if (p.stop and self.detok is not None and kept
+                and stop_may_end(self.detok, req.output_ids, len(kept), p.stop)):
             text = self.detok(req.output_ids)
             cut = [i for i in (text.find(s) for s in p.stop) if i >= 0]
             if cut:

@@ -622,7 +622,8 @@ class Server:
         """SSE lines for one request. Text is decoded incrementally; with stop strings, the last
         (longest stop - 1) characters are held back until the next tokens show they do not start
         a stop string, so no text past a stop string ever leaves."""
-        dec = self.llm.tokenizer.stream_decoder() if self.llm.tokenizer else None
+        dec = (self.llm.tokenizer.stream_decoder(skip_special_tokens=True)
+               if self.llm.tokenizer else None)
         hold = max((len(s) for s in prep.params.stop), default=1) - 1
         ids: list[int] = []
         text, sent = "", 0

@@ -220,6 +220,7 @@ class Tokenizer:
             special_tokens=dict(special_tokens),
         )
         self.special_tokens: dict[str, int] = dict(special_tokens)
+        self._special_ids = frozenset(self.special_tokens.values())
         self.vocab_size: int = self.encoding.max_token_value + 1
         get = self.special_tokens.get
         self.bos_id: int | None = get("[BOS]")
@@ -264,18 +265,23 @@ class Tokenizer:
             ids.extend(self.encoding.encode_ordinary(piece))
         return ids
 
-    def decode_bytes(self, ids: Sequence[int]) -> bytes:
+    def decode_bytes(self, ids: Sequence[int], skip_special_tokens: bool = False) -> bytes:
+        ids = list(ids)
+        if skip_special_tokens:
+            ids = [i for i in ids if i not in self._special_ids]
         try:
-            return self.encoding.decode_bytes(list(ids))
+            return self.encoding.decode_bytes(ids)
         except (KeyError, OverflowError, TypeError) as e:
             raise TokenizerError(f"cannot decode ids (vocab_size {self.vocab_size}): {e}") from e
 
-    def decode(self, ids: Sequence[int]) -> str:
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+        """Text of `ids`; with `skip_special_tokens`, special ids (`<|im_end|>`, reserved ones)
+        leave no text, as in generated output."""
         # Python's decoder, not tiktoken's, so that a stream_decoder gives the same string.
-        return self.decode_bytes(ids).decode("utf-8", errors="replace")
+        return self.decode_bytes(ids, skip_special_tokens).decode("utf-8", errors="replace")
 
-    def stream_decoder(self) -> IncrementalDecoder:
-        return IncrementalDecoder(self)
+    def stream_decoder(self, skip_special_tokens: bool = False) -> IncrementalDecoder:
+        return IncrementalDecoder(self, skip_special_tokens)
 
     def special_id(self, name: str) -> int:
         try:
@@ -351,13 +357,14 @@ def _validate_messages(messages: object) -> list[tuple[str, str]]:
 class IncrementalDecoder:
     """Streams text from ids; bytes of a character split across tokens wait for the rest."""
 
-    def __init__(self, tokenizer: Tokenizer) -> None:
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = False) -> None:
         self._tokenizer = tokenizer
+        self._skip = skip_special_tokens
         self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
 
     def push(self, ids: Sequence[int]) -> str:
         """Returns the text completed by `ids`; an unfinished UTF-8 sequence is held back."""
-        return self._utf8.decode(self._tokenizer.decode_bytes(ids), final=False)
+        return self._utf8.decode(self._tokenizer.decode_bytes(ids, self._skip), final=False)
 
     def flush(self) -> str:
         """Returns what is held back (as replacement characters) and resets the stream."""

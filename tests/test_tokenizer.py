@@ -116,6 +116,15 @@ def test_decode_special_ids_and_bad_ids(tok: Tokenizer) -> None:
         tok.decode([-1])
 
 
+def test_skip_special_tokens(byte_tok: Tokenizer) -> None:
+    ids = [*byte_tok.encode("a"), byte_tok.im_end_id, byte_tok.vocab_size - 3,
+           *byte_tok.encode("é")]
+    assert byte_tok.decode(ids) == "a<|im_end|><|reserved_token_253|>é"
+    assert byte_tok.decode(ids, skip_special_tokens=True) == "aé"
+    dec = byte_tok.stream_decoder(skip_special_tokens=True)
+    assert "".join(dec.push([i]) for i in ids) + dec.flush() == "aé"
+
+
 def test_long_runs_split_like_kimi(tok: Tokenizer) -> None:
     text = "x" * (MAX_NO_WHITESPACES_CHARS + 7) + " " * 5 + "y"
     pieces = list(_split_long_runs(text))
@@ -395,3 +404,44 @@ def test_train_cli(tmp_path: Path) -> None:
     assert t.vocab_size == 300 + 256
     text = "Speculative 🎉 分词器 <|im_end|>"
     assert t.decode(t.encode(text)) == text
+
+
+# ---------------------------------------------------------------- stop strings
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.one_of(st.integers(0, 255), st.just(-1)), min_size=1, max_size=60),
+       st.lists(st.integers(1, 6), max_size=30), st.integers(0, 2**31))
+def test_stop_tail_check_agrees_with_whole_text(
+    byte_tok: Tokenizer, raw: list[int], cuts: list[int], seed: int
+) -> None:
+    """Steps of a few tokens each (bytes and special ids, which leave no text): the tail check
+    fires at the first step whose whole text holds a stop string, and never before (a stop
+    string with U+FFFD may also fire early on a tail cut inside a character: the scheduler
+    confirms every hit on the whole text)."""
+    import random
+
+    from engine.scheduler import stop_may_end
+
+    ids = [byte_tok.im_end_id if i < 0 else i for i in raw]
+
+    def detok(x: list[int]) -> str:
+        return byte_tok.decode(x, skip_special_tokens=True)
+
+    text = detok(ids)
+    rng = random.Random(seed)
+    a = rng.randrange(len(text) + 1)
+    stops = [text[a:a + rng.randint(1, 5)] or "zz", "never-there"]
+    out: list[int] = []
+    pos = 0
+    for k in [*cuts, len(ids)]:
+        new = ids[pos:pos + k]
+        pos += len(new)
+        if not new:
+            break
+        out += new
+        hit = any(s in detok(out) for s in stops)
+        may = stop_may_end(detok, out, len(new), stops)
+        assert may == hit or (may and "\ufffd" in stops[0])
+        if hit:
+            break
