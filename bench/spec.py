@@ -6,10 +6,12 @@ On one model (default: the bundled one) and the same prompts (held-out corpus fi
 bundled model, never trained on), greedy at batch size 1 by default, runs our `ar`, `chain` and
 `tree` at each budget, one sampled `tree` run (temperature 0.7, budget 16) for its accepted
 length, and, as peers on the same checkpoint, transformers' greedy `generate` and its
-prompt-lookup speculative decoding. Prints tokens/s with the ratio to our `ar`, mean accepted
-length (tokens per step, bonus included) and time per phase; writes JSON and PNG plots under
-`runs/bench/`. `--random` uses a tiny random target and drafter instead (whose drafts are rarely
-accepted: the numbers then show the step's overhead, not a speed-up).
+prompt-lookup speculative decoding. Every engine is loaded once; then `--rounds` passes run all
+of them in turn (so a slow spell of a shared machine hits each alike), and each reports its
+median pass. Prints tokens/s with the ratio to our `ar`, mean accepted length (tokens per step,
+bonus included) and time per phase; writes JSON and PNG plots under `runs/bench/`. `--random`
+uses a tiny random target and drafter instead (whose drafts are rarely accepted: the numbers
+then show the step's overhead, not a speed-up).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import argparse
 import tempfile
 import time
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -37,28 +40,36 @@ def random_prompts(vocab: int, n: int, seed: int) -> list[list[int]]:
     return [[g.randrange(vocab - 256) for _ in range(g.randint(4, 32))] for _ in range(n)]
 
 
-def run_one(model: Path, draft: Path | None, mode: str, budget: int, prompts: list[list[int]],
-            params: SamplingParams, batch: int) -> dict[str, Any]:
+Runner = Callable[[], dict[str, Any]]
+
+
+def ours(model: Path, draft: Path | None, mode: str, budget: int, prompts: list[list[int]],
+         params: SamplingParams, batch: int) -> Runner:
+    """Loads one engine (warmed up) and returns a function that runs every prompt once."""
     llm = LLM(model, draft if mode != "ar" else None, mode=mode, budget=budget,
               max_batch_size=batch, progress=False)
     llm.generate(prompts[:1], params)  # warm-up
-    outs = llm.generate(prompts, params)
-    s = llm.stats
-    acc = [a for o in outs for a in o.accept_lengths]
     name = f"tree-{budget}" if mode == "tree" else mode
     if not params.greedy:
         name += f" T={params.temperature:g}"
-    return {"mode": mode, "budget": budget if mode == "tree" else None, "name": name,
-            "temperature": params.temperature, "tokens": s["tokens"], "seconds": s["seconds"],
-            "tokens_per_s": s["tokens_per_s"], "steps": s["steps"],
-            "mean_accept_len": s["mean_accept_len"], "accept_hist": dict(Counter(acc)),
-            "phase_seconds": s["phase_seconds"], "outputs": [o.token_ids for o in outs]}
+
+    def run() -> dict[str, Any]:
+        outs = llm.generate(prompts, params)
+        s = llm.stats
+        acc = [a for o in outs for a in o.accept_lengths]
+        return {"mode": mode, "budget": budget if mode == "tree" else None, "name": name,
+                "temperature": params.temperature, "tokens": s["tokens"],
+                "seconds": s["seconds"], "tokens_per_s": s["tokens_per_s"], "steps": s["steps"],
+                "mean_accept_len": s["mean_accept_len"], "accept_hist": dict(Counter(acc)),
+                "phase_seconds": s["phase_seconds"], "outputs": [o.token_ids for o in outs]}
+
+    return run
 
 
-def run_transformers(model: Path, prompts: list[list[int]], new_tokens: int,
-                     lookup: int | None) -> dict[str, Any] | None:
+def theirs(model: Path, prompts: list[list[int]], new_tokens: int, lookup: int | None
+           ) -> Runner | None:
     """transformers' greedy generate (or prompt-lookup decoding) on the same checkpoint, one
-    prompt at a time, EOS ignored."""
+    prompt at a time, EOS ignored; None without transformers."""
     try:
         from transformers import DeepseekV3ForCausalLM
     except ImportError:
@@ -69,20 +80,32 @@ def run_transformers(model: Path, prompts: list[list[int]], new_tokens: int,
                               do_sample=False, pad_token_id=0)
     if lookup:
         kw["prompt_lookup_num_tokens"] = lookup
-    outs = []
+    name = f"hf-lookup-{lookup}" if lookup else "hf-generate"
     with torch.inference_mode():
         hf.generate(torch.tensor([prompts[0]]), **{**kw, "max_new_tokens": 4,
                                                    "min_new_tokens": 4})
-        t0 = time.perf_counter()
-        for p in prompts:
-            out = hf.generate(torch.tensor([p]), **kw)
-            outs.append(out[0, len(p):].tolist())
-        dt = time.perf_counter() - t0
-    n = sum(len(o) for o in outs)
-    name = f"hf-lookup-{lookup}" if lookup else "hf-generate"
-    return {"mode": name, "budget": None, "name": name, "temperature": 0.0, "tokens": n,
-            "seconds": dt, "tokens_per_s": n / dt, "steps": None, "mean_accept_len": None,
-            "accept_hist": {}, "phase_seconds": {}, "outputs": outs}
+
+    def run() -> dict[str, Any]:
+        outs = []
+        with torch.inference_mode():
+            t0 = time.perf_counter()
+            for p in prompts:
+                out = hf.generate(torch.tensor([p]), **kw)
+                outs.append(out[0, len(p):].tolist())
+            dt = time.perf_counter() - t0
+        n = sum(len(o) for o in outs)
+        return {"mode": name, "budget": None, "name": name, "temperature": 0.0, "tokens": n,
+                "seconds": dt, "tokens_per_s": n / dt, "steps": None, "mean_accept_len": None,
+                "accept_hist": {}, "phase_seconds": {}, "outputs": outs}
+
+    return run
+
+
+def median_round(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """The round with the median tokens/s, with every round's tokens/s attached."""
+    rates = [r["tokens_per_s"] for r in results]
+    row = sorted(results, key=lambda r: r["tokens_per_s"])[len(results) // 2]
+    return {**row, "tokens_per_s_rounds": rates}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -98,6 +121,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--lookup", type=int, default=10, help="prompt_lookup_num_tokens")
     ap.add_argument("--no-transformers", action="store_true", help="skip the transformers rows")
     ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--rounds", type=int, default=3,
+                    help="timed passes over the prompts, every run interleaved in each round; "
+                         "each run reports its median round")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="runs/bench")
     a = ap.parse_args(argv)
@@ -136,18 +162,19 @@ def main(argv: list[str] | None = None) -> None:
         hot = SamplingParams(temperature=a.sample_temperature, max_new_tokens=a.max_new_tokens,
                              ignore_eos=True, seed=a.seed)
         runs.append(("tree", 16, hot))
-    rows = []
-    for mode, budget, params in runs:
-        r = run_one(model, draft, mode, budget, prompts, params, a.batch)
-        rows.append(r)
-        print(f"  {r['name']:>12}: {r['tokens_per_s']:.1f} tokens/s, "
-              f"accepted {r['mean_accept_len']:.2f}", flush=True)
+    if a.rounds < 1:
+        raise SystemExit(f"--rounds must be >= 1, got {a.rounds}")
+    runners: list[Runner] = [ours(model, draft, m, b, prompts, p, a.batch) for m, b, p in runs]
     if not a.no_transformers:
-        for lookup in (None, a.lookup):
-            r = run_transformers(model, prompts, a.max_new_tokens, lookup)
-            if r is not None:
-                rows.append(r)
-                print(f"  {r['name']:>12}: {r['tokens_per_s']:.1f} tokens/s", flush=True)
+        runners += [r for r in (theirs(model, prompts, a.max_new_tokens, lk)
+                                for lk in (None, a.lookup)) if r is not None]
+    results: list[list[dict[str, Any]]] = [[] for _ in runners]
+    for i in range(a.rounds):
+        for run, res in zip(runners, results):
+            res.append(run())
+        print(f"  round {i + 1}/{a.rounds}: " + ", ".join(
+            f"{res[-1]['name']} {res[-1]['tokens_per_s']:.0f}" for res in results), flush=True)
+    rows = [median_round(res) for res in results]
     ar = rows[0]
     for r in rows:
         r["speedup_vs_ar"] = r["tokens_per_s"] / ar["tokens_per_s"]
