@@ -1,6 +1,7 @@
 """MLA attention: the naive form for prefill, and the absorbed (latent, MQA-like) form for decode
-and tree verification, computed as a prefix pass over the paged cache plus a tree pass over the
-tree's own latents, merged by log-sum-exp.
+and tree verification over the paged cache's prefix and the tree's own latents: one softmax over
+both key sets on the torch path, or a planned prefix kernel's pass plus a tree pass merged by
+log-sum-exp.
 
 The absorbed form sees one key head of width `R + P` (`c_kv` and the shared roped `k_pe`) and one
 value head of width `R` (`c_kv`); queries arrive already absorbed (`q_lat = W_UK^T q_nope`).
