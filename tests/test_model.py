@@ -136,7 +136,7 @@ def test_joint_attention_equals_prefix_tree_merge():
     bs, Q, H, R, P, C = 3, 5, 4, 16, 8, 24
     q_lat, q_pe = torch.randn(bs, Q, H, R, generator=g), torch.randn(bs, Q, H, P, generator=g)
     kv_cache = torch.randn(bs * C, R + P, generator=g)
-    slots = torch.randperm(bs * C, generator=g)[: bs * C].view(bs, C)
+    slots = torch.randperm(bs * C, generator=g).view(bs, C)
     ctx_len = torch.tensor([0, 7, C])
     tree_kv = torch.randn(bs, Q, R + P, generator=g)
     parent = torch.tensor([-1, 0, 0, 1, 3])
