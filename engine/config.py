@@ -2,12 +2,29 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import re
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
+
+# Step modes: a DDTree, the drafter's argmax chain, or plain one-token decoding.
+MODES = ("tree", "chain", "ar")
+
+
+def add_model_args(ap: argparse.ArgumentParser, budget_policy: bool = True) -> None:
+    """The model-pair and step-mode flags every command line shares (generate, serve, profile)."""
+    ap.add_argument("--model", help="target checkpoint dir (default: the bundled model)")
+    ap.add_argument("--draft", help="DFlash drafter dir (default: the bundled drafter when "
+                                    "--model is not given; needed unless --mode ar)")
+    ap.add_argument("--mode", choices=MODES, default="tree")
+    ap.add_argument("--budget", type=int, default=16, help="tree nodes besides the root")
+    if budget_policy:
+        ap.add_argument("--budget-policy", default=None,
+                        help="TOML table of tree budget per batch size (configs/budgets.toml)")
+
 
 TARGET_MODEL_TYPES = ("kimi_k2", "deepseek_v3")
 WRAPPED_MODEL_TYPES = ("kimi_k25",)

@@ -21,7 +21,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from engine.config import SamplingParams
+from engine.config import SamplingParams, add_model_args
 
 SAMPLING_FIELDS = {"temperature": float, "top_p": float, "top_k": int, "max_new_tokens": int,
                    "max_tokens": int, "seed": int, "ignore_eos": bool, "stop": list}
@@ -96,14 +96,9 @@ def read_prompts(path: str | Path, defaults: SamplingParams
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m engine.generate",
                                  description=__doc__.split("\n")[0])
-    ap.add_argument("--model", help="target checkpoint dir (default: the bundled model)")
-    ap.add_argument("--draft", help="DFlash drafter dir (default: the bundled drafter)")
+    add_model_args(ap)
     ap.add_argument("--prompts", required=True, help=".txt or .jsonl prompt file")
     ap.add_argument("--output", required=True, help="output .jsonl")
-    ap.add_argument("--mode", choices=("tree", "chain", "ar"), default="tree")
-    ap.add_argument("--budget", type=int, default=16, help="tree nodes besides the root")
-    ap.add_argument("--budget-policy", default=None,
-                    help="TOML table of tree budget per batch size (configs/budgets.toml)")
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--top-k", type=int, default=-1)

@@ -47,7 +47,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from engine.config import SamplingParams
+from engine.config import SamplingParams, add_model_args
 from engine.llm import LLM
 from engine.request import Request as EngineRequest
 from engine.scheduler import RequestRejected
@@ -891,12 +891,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m engine.serve",
                                 description="OpenAI-compatible server for Kimi models with "
                                             "speculative decoding")
-    p.add_argument("--model", default=None, help="target checkpoint dir (default: bundled model)")
-    p.add_argument("--draft", default=None, help="DFlash drafter dir (needed unless --mode ar)")
-    p.add_argument("--mode", choices=("tree", "chain", "ar"), default="tree")
-    p.add_argument("--budget", type=int, default=16, help="draft tree nodes per request per step")
-    p.add_argument("--budget-policy", default=None,
-                   help="TOML table of tree budget per batch size (configs/budgets.toml)")
+    add_model_args(p)
     p.add_argument("--max-batch-size", type=int, default=8)
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     p.add_argument("--dtype", default=None,

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
+from engine.config import MODES
 from engine.kv_cache import KVPool
 from engine.models.dflash import DFlashDrafter
 from engine.models.kimi import KimiForCausalLM
@@ -29,7 +30,6 @@ from ops.verify import Decision, tree_greedy, tree_sample
 if TYPE_CHECKING:
     from engine.parallel import TensorParallel
 
-MODES = ("tree", "chain", "ar")
 
 
 @dataclass(frozen=True)

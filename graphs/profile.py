@@ -31,8 +31,9 @@ from typing import Any
 
 import torch
 
-from engine.config import SamplingParams
+from engine.config import SamplingParams, add_model_args
 from engine.kv_cache import KVPool, pages_needed
+from engine.llm import DTYPES
 from engine.request import Request
 from engine.spec import Models, StepShape
 from graphs.policy import DEFAULT_POLICY, write_budgets
@@ -40,8 +41,6 @@ from graphs.runner import CaptureError, PhaseTimer, StepGraphRunner
 from graphs.telemetry import Telemetry
 
 PHASES = ("draft", "build", "verify", "decide", "commit")
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
-          "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
 NO_GRAPHS = "CUDA graphs need CUDA: this profiles the eager step (no capture, no replay)"
 
 
@@ -58,10 +57,7 @@ def _ints(s: str) -> list[int]:
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m graphs.profile",
                                  description=__doc__.split("\n")[0])
-    ap.add_argument("--model", help="target checkpoint dir (default: the bundled model)")
-    ap.add_argument("--draft", help="DFlash drafter dir (default: the bundled drafter)")
-    ap.add_argument("--mode", choices=("tree", "chain", "ar"), default="tree")
-    ap.add_argument("--budget", type=int, default=16, help="tree nodes besides the root")
+    add_model_args(ap, budget_policy=False)
     ap.add_argument("--batch-sizes", type=_ints, default=[1, 2, 4, 8],
                     help="comma-separated batch sizes, each captured and profiled")
     ap.add_argument("--steps", type=int, default=8, help="timed steps per batch size and path")
