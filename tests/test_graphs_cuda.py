@@ -130,7 +130,15 @@ def test_runner_step_on_graphs_matches_eager_runner(models):
 # ---- flashinfer twins -------------------------------------------------------------------------
 
 
-def _mla_case(bs=5, Q=7, H=16, R=512, P=64, ps=16, num_pages=64, dtype=torch.bfloat16):
+MLA_SCALE = 192 ** -0.5
+
+
+def _planned_prefix(bs=5, Q=7, H=16, R=512, P=64, ps=16, num_pages=64, dtype=torch.bfloat16):
+    """A flashinfer MLA prefix kernel planned over a random paged cache (row 2 is padding on the
+    dummy page), its inputs, and the slots its torch twin reads."""
+    pytest.importorskip("flashinfer")
+    from ops.attention_gpu import FlashInferMLAPrefix
+
     g = torch.Generator(device="cuda").manual_seed(0)
     kv = torch.randn(num_pages * ps, R + P, device="cuda", generator=g).to(dtype)
     q_lat = (torch.randn(bs, Q, H, R, device="cuda", generator=g) * 0.05).to(dtype)
@@ -140,21 +148,18 @@ def _mla_case(bs=5, Q=7, H=16, R=512, P=64, ps=16, num_pages=64, dtype=torch.bfl
     perm = torch.randperm(num_pages - 1, generator=torch.Generator().manual_seed(1)) + 1
     pt = perm[: bs * W].view(bs, W).cuda()
     pt[2] = 0  # the dummy page
-    return q_lat, q_pe, kv, ctx, pt, (bs, Q, H, R, P, ps, W)
+    fi = FlashInferMLAPrefix(bs, Q, W, ps, H, R, P, MLA_SCALE, dtype)
+    fi.plan(pt.cpu(), ctx.cpu())
+    slots = slot_of(pt, torch.arange(W * ps, device="cuda")[None].expand(bs, -1), ps)
+    return fi, q_lat, q_pe, kv, ctx, pt, slots, R
 
 
 def test_flashinfer_prefix_equals_torch_twin():
-    pytest.importorskip("flashinfer")
     from ops.attention import prefix_attention
-    from ops.attention_gpu import FlashInferMLAPrefix
 
-    q_lat, q_pe, kv, ctx, pt, (bs, Q, H, R, P, ps, W) = _mla_case()
-    scale = 192 ** -0.5
-    fi = FlashInferMLAPrefix(bs, Q, W, ps, H, R, P, scale, torch.bfloat16)
-    fi.plan(pt.cpu(), ctx.cpu())
+    fi, q_lat, q_pe, kv, ctx, _, slots, R = _planned_prefix()
     o, lse = fi(q_lat, q_pe, kv, ctx)
-    slots = slot_of(pt, torch.arange(W * ps, device="cuda")[None].expand(bs, -1), ps)
-    o_ref, lse_ref = prefix_attention(q_lat, q_pe, kv, slots, ctx, R, scale)
+    o_ref, lse_ref = prefix_attention(q_lat, q_pe, kv, slots, ctx, R, MLA_SCALE)
     torch.testing.assert_close(o, o_ref, rtol=2e-2, atol=2e-2)
     live = ctx > 0
     torch.testing.assert_close(lse[live], lse_ref[live], rtol=1e-2, atol=1e-2)
@@ -162,26 +167,20 @@ def test_flashinfer_prefix_equals_torch_twin():
 
 
 def test_flashinfer_prefix_replans_under_a_graph():
-    pytest.importorskip("flashinfer")
     from ops.attention import prefix_attention
-    from ops.attention_gpu import FlashInferMLAPrefix
 
-    q_lat, q_pe, kv, ctx, pt, (bs, Q, H, R, P, ps, W) = _mla_case()
-    scale = 192 ** -0.5
-    fi = FlashInferMLAPrefix(bs, Q, W, ps, H, R, P, scale, torch.bfloat16)
-    fi.plan(pt.cpu(), ctx.cpu())
+    fi, q_lat, q_pe, kv, ctx, pt, slots, R = _planned_prefix()
     fi(q_lat, q_pe, kv, ctx)  # eager once first: JIT load, function attributes
     ctx_buf = ctx.clone()
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         out = fi(q_lat, q_pe, kv, ctx_buf)
-    slots = slot_of(pt, torch.arange(W * ps, device="cuda")[None].expand(bs, -1), ps)
     for lens in ([5, 3, 0, 100, 1], [128, 64, 0, 2, 77]):
         new = torch.tensor(lens, device="cuda")
         ctx_buf.copy_(new)
         fi.plan(pt.cpu(), new.cpu())  # host side, outside the graph
         g.replay()
-        o_ref, _ = prefix_attention(q_lat, q_pe, kv, slots, new, R, scale)
+        o_ref, _ = prefix_attention(q_lat, q_pe, kv, slots, new, R, MLA_SCALE)
         torch.testing.assert_close(out[0], o_ref, rtol=2e-2, atol=2e-2)
 
 

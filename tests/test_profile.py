@@ -11,14 +11,22 @@ from graphs.policy import load_budgets
 from tests.graph_helpers import write_pair
 
 
-def test_profile_main_writes_json_and_table(tmp_path, capsys):
+def _profile(tmp_path, *args: str) -> int:
+    """`graphs.profile` on a tiny pair; the thread count it sets is restored afterwards."""
     target, draft = write_pair(tmp_path)
-    out = tmp_path / "prof.json"
     threads = torch.get_num_threads()
-    rc = profile.main(["--model", str(target), "--draft", str(draft), "--batch-sizes", "1,3",
-                       "--budget", "6", "--steps", "2", "--warmup", "1", "--prompt-len", "9",
-                       "--output", str(out), "--no-progress"])
-    torch.set_num_threads(threads)
+    try:
+        return profile.main(["--model", str(target), "--draft", str(draft), "--no-progress",
+                             *args])
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_profile_main_writes_json_and_table(tmp_path, capsys):
+    target, draft = write_pair(tmp_path)  # the pair _profile runs on
+    out = tmp_path / "prof.json"
+    rc = _profile(tmp_path, "--batch-sizes", "1,3", "--budget", "6", "--steps", "2",
+                  "--warmup", "1", "--prompt-len", "9", "--output", str(out))
     assert rc == 0
     res = json.loads(out.read_text())
     assert res["model"] == str(target) and res["draft"] == str(draft)
@@ -39,14 +47,10 @@ def test_profile_main_writes_json_and_table(tmp_path, capsys):
 
 
 def test_profile_tune_writes_the_budget_policy(tmp_path, capsys):
-    target, draft = write_pair(tmp_path)
     policy = tmp_path / "budgets.toml"
-    threads = torch.get_num_threads()
-    rc = profile.main(["--model", str(target), "--draft", str(draft), "--batch-sizes", "1,2",
-                       "--budget", "4", "--steps", "1", "--warmup", "0", "--prompt-len", "5",
-                       "--tune", "--tune-budgets", "2,5", "--policy-out", str(policy),
-                       "--output", str(tmp_path / "p.json"), "--no-progress"])
-    torch.set_num_threads(threads)
+    rc = _profile(tmp_path, "--batch-sizes", "1,2", "--budget", "4", "--steps", "1",
+                  "--warmup", "0", "--prompt-len", "5", "--tune", "--tune-budgets", "2,5",
+                  "--policy-out", str(policy), "--output", str(tmp_path / "p.json"))
     assert rc == 0
     budgets = load_budgets(policy)
     assert set(budgets) == {1, 2} and set(budgets.values()) <= {2, 5}

@@ -11,7 +11,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -251,6 +251,18 @@ def test_greedy_matches_offline(server: ServerProc, client: openai.OpenAI,
     assert r.usage.prompt_tokens == len(off.prompt_token_ids)
 
 
+def _collect(stream: Any, piece: Callable[[Any], str]) -> tuple[str, str | None, Any]:
+    """Text (each choice's `piece`), last finish reason and usage of a streamed response."""
+    text, reason, usage = "", None, None
+    for ev in stream:
+        if ev.usage is not None:
+            usage = ev.usage
+        for ch in ev.choices:
+            text += piece(ch)
+            reason = ch.finish_reason or reason
+    return text, reason, usage
+
+
 @pytest.mark.parametrize("chat", [False, True], ids=["completion", "chat"])
 @pytest.mark.parametrize("sampling", [{"temperature": 0}, {"temperature": 0.9, "top_p": 0.9,
                                                            "seed": 7}], ids=["greedy", "seeded"])
@@ -265,13 +277,7 @@ def test_stream_equals_nonstream(client: openai.OpenAI, tokenizer: Tokenizer, ch
                                                 stream=True,
                                                 stream_options={"include_usage": True},
                                                 **sampling, **extra)
-        text, reason, usage = "", None, None
-        for ev in stream:
-            if ev.usage is not None:
-                usage = ev.usage
-            for ch in ev.choices:
-                text += ch.delta.content or ""
-                reason = ch.finish_reason or reason
+        text, reason, usage = _collect(stream, lambda ch: ch.delta.content or "")
         assert text == full.choices[0].message.content
         assert len(tokenizer.apply_chat_template(msgs)) == full.usage.prompt_tokens
     else:
@@ -281,13 +287,7 @@ def test_stream_equals_nonstream(client: openai.OpenAI, tokenizer: Tokenizer, ch
                                            max_tokens=20, stream=True,
                                            stream_options={"include_usage": True},
                                            **sampling, **extra)
-        text, reason, usage = "", None, None
-        for ev in stream:
-            if ev.usage is not None:
-                usage = ev.usage
-            for ch in ev.choices:
-                text += ch.text
-                reason = ch.finish_reason or reason
+        text, reason, usage = _collect(stream, lambda ch: ch.text)
         assert text == full.choices[0].text
     assert reason == full.choices[0].finish_reason
     assert usage is not None and usage.model_dump() == full.usage.model_dump()
