@@ -95,20 +95,28 @@ def merge_states(o1: Tensor, lse1: Tensor, o2: Tensor, lse2: Tensor) -> Tensor:
     return o1 * w1 + o2 * w2
 
 
+def joint_mask(slots: Tensor, ctx_len: Tensor, visible: Tensor) -> Tensor:
+    """Which keys each query sees in `joint_attention`: its request's committed prefix (context
+    positions `< ctx_len`), then the tree nodes `visible` marks. `[bs, Q, 1, C + Q]`; every
+    layer shares it."""
+    bs, nq, _ = visible.shape
+    pos = torch.arange(slots.shape[1], device=slots.device)
+    prefix_ok = (pos[None, :] < ctx_len[:, None])[:, None, :].expand(bs, nq, -1)
+    return torch.cat([prefix_ok, visible], dim=2)[:, :, None, :]
+
+
 def joint_attention(
-    q_lat: Tensor, q_pe: Tensor, kv_cache: Tensor, slots: Tensor, ctx_len: Tensor,
-    tree_kv: Tensor, visible: Tensor, kv_lora_rank: int, scale: float,
+    q_lat: Tensor, q_pe: Tensor, kv_cache: Tensor, slots: Tensor, tree_kv: Tensor, mask: Tensor,
+    kv_lora_rank: int, scale: float,
 ) -> Tensor:
     """Prefix and tree keys in one softmax: what `prefix_attention` + `tree_attention` +
     `merge_states` compute, in a handful of ops (the torch path; a planned prefix kernel needs
-    the split form). Shapes as in `absorbed_attention`; returns `[bs, Q, H, R]` (fp32)."""
+    the split form). `mask` is `joint_mask(...)`; other shapes as in `absorbed_attention`;
+    returns `[bs, Q, H, R]` (fp32)."""
     bs, nq, nh, _ = q_lat.shape
     kv = torch.cat([kv_cache[slots], tree_kv], dim=1).float()  # [bs, C + Q, R + P]
     q = torch.cat([q_lat, q_pe], dim=-1).float().reshape(bs, nq * nh, -1) * scale
     s = torch.bmm(q, kv.transpose(1, 2)).view(bs, nq, nh, -1)
-    pos = torch.arange(slots.shape[1], device=slots.device)
-    prefix_ok = (pos[None, :] < ctx_len[:, None])[:, None, :].expand(bs, nq, -1)
-    mask = torch.cat([prefix_ok, visible], dim=2)[:, :, None, :]  # [bs, Q, 1, C + Q]
     # NOTE: every query sees itself, so no row is all -inf.
     p = torch.softmax(s.masked_fill(~mask, NEG_INF), dim=-1).view(bs, nq * nh, -1)
     return torch.bmm(p, kv[..., :kv_lora_rank]).view(bs, nq, nh, kv_lora_rank)
@@ -117,17 +125,19 @@ def joint_attention(
 def absorbed_attention(
     q_lat: Tensor, q_pe: Tensor, kv_cache: Tensor, slots: Tensor, ctx_len: Tensor,
     tree_kv: Tensor, visible: Tensor, kv_lora_rank: int, scale: float,
-    prefix: PrefixKernel | None = None,
+    prefix: PrefixKernel | None = None, mask: Tensor | None = None,
 ) -> Tensor:
     """Verify/decode attention in latent space `[bs, Q, H, R]`: the queries against their
     request's committed prefix (`slots`, `ctx_len`) and the tree's own latents (`visible`).
 
-    Without `prefix`, one softmax over both key sets (`joint_attention`). A planned prefix
-    kernel (`ops.attention_gpu`, reading the pages it was planned with instead of `slots`)
-    gives the prefix pass; the tree pass and a log-sum-exp merge complete it."""
+    Without `prefix`, one softmax over both key sets (`joint_attention`; pass `mask` =
+    `joint_mask(slots, ctx_len, visible)` to share it across layers). A planned prefix kernel
+    (`ops.attention_gpu`, reading the pages it was planned with instead of `slots`) gives the
+    prefix pass; the tree pass and a log-sum-exp merge complete it."""
     if prefix is None:
-        return joint_attention(q_lat, q_pe, kv_cache, slots, ctx_len, tree_kv, visible,
-                               kv_lora_rank, scale)
+        if mask is None:
+            mask = joint_mask(slots, ctx_len, visible)
+        return joint_attention(q_lat, q_pe, kv_cache, slots, tree_kv, mask, kv_lora_rank, scale)
     o1, l1 = prefix(q_lat, q_pe, kv_cache, ctx_len)
     o2, l2 = tree_attention(q_lat, q_pe, tree_kv, visible, kv_lora_rank, scale)
     return merge_states(o1, l1, o2, l2)

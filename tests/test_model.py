@@ -130,7 +130,13 @@ def test_int4_experts_model_matches_dequantized_model(tmp_path):
 def test_joint_attention_equals_prefix_tree_merge():
     """The one-softmax torch path equals the split prefix + tree + log-sum-exp merge form that a
     planned prefix kernel uses, rows with an empty context included."""
-    from ops.attention import joint_attention, merge_states, prefix_attention, tree_attention
+    from ops.attention import (
+        joint_attention,
+        joint_mask,
+        merge_states,
+        prefix_attention,
+        tree_attention,
+    )
 
     g = torch.Generator().manual_seed(0)
     bs, Q, H, R, P, C = 3, 5, 4, 16, 8, 24
@@ -146,5 +152,6 @@ def test_joint_attention_equals_prefix_tree_merge():
     visible = visible.expand(bs, Q, Q)
     o1, l1 = prefix_attention(q_lat, q_pe, kv_cache, slots, ctx_len, R, 0.3)
     o2, l2 = tree_attention(q_lat, q_pe, tree_kv, visible, R, 0.3)
-    got = joint_attention(q_lat, q_pe, kv_cache, slots, ctx_len, tree_kv, visible, R, 0.3)
+    mask = joint_mask(slots, ctx_len, visible)
+    got = joint_attention(q_lat, q_pe, kv_cache, slots, tree_kv, mask, R, 0.3)
     torch.testing.assert_close(got, merge_states(o1, l1, o2, l2), rtol=1e-5, atol=1e-5)

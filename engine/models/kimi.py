@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from engine.config import ModelConfig
-from ops.attention import PrefixKernel, absorbed_attention, mla_naive
+from ops.attention import PrefixKernel, absorbed_attention, joint_mask, mla_naive
 from ops.moe import experts_dense, experts_sparse, route_noaux_tc
 from ops.rope import apply_rope_interleaved, rope_cos_sin, rope_frequencies
 
@@ -168,15 +168,17 @@ class MLA(nn.Module):
     def forward_absorbed(
         self, x: Tensor, cos: Tensor, sin: Tensor, kv_cache: Tensor, slots: Tensor,
         ctx_len: Tensor, visible: Tensor, tree_kv_out: Tensor, prefix: PrefixKernel | None = None,
+        mask: Tensor | None = None,
     ) -> Tensor:
-        """`x [bs, Q, H]`; writes the queries' own cache rows into `tree_kv_out [bs, Q, R + P]`."""
+        """`x [bs, Q, H]`; writes the queries' own cache rows into `tree_kv_out [bs, Q, R + P]`.
+        `mask`: the torch path's key mask, shared by all layers (`ops.attention.joint_mask`)."""
         c = self.cfg
         q, row, _ = self.latents(x, cos, sin)
         tree_kv_out.copy_(row)
         w_uk, w_uv = self._absorb_weights()
         q_lat = torch.einsum("bqhd,hdr->bqhr", q[..., :c.qk_nope_head_dim], w_uk)
         o_lat = absorbed_attention(q_lat, q[..., c.qk_nope_head_dim:], kv_cache, slots, ctx_len,
-                                   tree_kv_out, visible, c.kv_lora_rank, self.scale, prefix)
+                                   tree_kv_out, visible, c.kv_lora_rank, self.scale, prefix, mask)
         o = torch.einsum("bqhr,hvr->bqhv", o_lat.to(x.dtype), w_uv)
         return self.o_proj(o.reshape(*x.shape[:-1], -1))
 
@@ -319,12 +321,13 @@ class KimiForCausalLM(nn.Module):
         prefix-attention kernel (one plan serves every layer).
         """
         cos, sin = self._rope(positions)
+        mask = joint_mask(slots, ctx_len, visible) if prefix is None else None
         h = self.model.embed_tokens(tokens)
         aux = []
         for i, layer in enumerate(self.model.layers):
             a = layer.self_attn.forward_absorbed(layer.input_layernorm(h), cos, sin, kv_cache[i],
                                                  slots, ctx_len, visible, tree_kv_out[i],
-                                                 prefix)
+                                                 prefix, mask)
             h = layer.ffn(h + a, sparse_moe)
             if i in aux_layers:
                 aux.append(h)
