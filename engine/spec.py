@@ -22,7 +22,7 @@ from engine.config import MODES
 from engine.kv_cache import KVPool
 from engine.models.dflash import DFlashDrafter
 from engine.models.kimi import KimiForCausalLM
-from ops.attention import PrefixKernel
+from ops.attention import PrefixKernel, gather_slots
 from ops.sampling import target_probs
 from ops.tree import DDTree, build_ddtree, chain_tree
 from ops.verify import Decision, tree_greedy, tree_sample
@@ -159,11 +159,12 @@ def draft(models: Models, pool: KVPool, buf: StepBuffers, shape: StepShape,
                        device=buf.anchor.device)
     block[:, 0] = buf.anchor
     positions = buf.cache_len[:, None] + torch.arange(B, device=block.device)
-    ctx_kv = pool.draft[:, ctx_slots]  # [layers, bs, C, kv_dim]
+    ctx_kv = gather_slots(pool.draft, ctx_slots)  # [layers, bs, C, kv_dim]
     ctx_valid = torch.arange(ctx_slots.shape[1], device=block.device) < buf.cache_len[:, None]
-    h = drafter(target.model.embed_tokens(block), positions, ctx_kv, ctx_valid)
     # NOTE: row 0 (the anchor's own) predicts nothing; row j predicts depth j.
-    return target.lm_head(h[:, 1:shape.draft_depth + 1]).float()
+    D = shape.draft_depth
+    h = drafter(target.model.embed_tokens(block), positions, ctx_kv, ctx_valid, rows=(1, D + 1))
+    return target.lm_head(h).float()
 
 
 def build(draft_logits: Tensor | None, buf: StepBuffers, shape: StepShape) -> DDTree:

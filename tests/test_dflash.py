@@ -49,3 +49,21 @@ def test_grouped_attention_equals_naive(tmp_path):
     got = attn(x, cos, sin, ctx_kv, ctx_valid)
     ref = _naive_attention(attn, x, cos, sin, ctx_kv, ctx_valid)
     assert (got - ref).abs().max().item() < 1e-5
+
+
+def test_rows_limit_only_the_last_layers_queries(tmp_path):
+    make_tiny(tmp_path / "t", dtype="fp32", hidden=128)
+    c = DraftConfig.from_dict(draft_config(tmp_path / "t", layers=2, block_size=8))
+    torch.manual_seed(1)
+    d = DFlashDrafter(c, 128)
+    for p in d.parameters():
+        p.data.normal_(0, 0.2)
+    bs, C, B = 2, 9, c.block_size
+    emb = torch.randn(bs, B, c.hidden_size)
+    pos = torch.tensor([5, 9])[:, None] + torch.arange(B)
+    ctx_kv = torch.randn(c.num_hidden_layers, bs, C, c.kv_dim)
+    ctx_valid = torch.arange(C)[None] < torch.tensor([5, 9])[:, None]
+    full = d(emb, pos, ctx_kv, ctx_valid)
+    for rows in [(1, 4), (1, B), (0, 1)]:
+        part = d(emb, pos, ctx_kv, ctx_valid, rows=rows)
+        torch.testing.assert_close(part, full[:, rows[0]:rows[1]], rtol=1e-5, atol=1e-5)

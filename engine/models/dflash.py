@@ -112,13 +112,16 @@ class DraftAttention(nn.Module):
         v = self.v_proj(x)
         return torch.cat([k.flatten(-2), v], dim=-1)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, ctx_kv: Tensor, ctx_valid: Tensor
-                ) -> Tensor:
-        """`x [bs, B, H]` (the block, normed); `ctx_kv [bs, C, kv_dim]`, `ctx_valid [bs, C]`."""
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, ctx_kv: Tensor, ctx_valid: Tensor,
+                rows: tuple[int, int] | None = None) -> Tensor:
+        """`x [bs, B, H]` (the block, normed); `ctx_kv [bs, C, kv_dim]`, `ctx_valid [bs, C]`.
+        Every block row is a key; `rows = (start, stop)` limits the queries (and the output) to
+        those rows."""
         c = self.c
         bs, B, _ = x.shape
-        q = self.q_norm(self.q_proj(x).view(bs, B, c.num_attention_heads, c.head_dim))
-        q = apply_rope_half(q, cos, sin)
+        a, b = rows or (0, B)
+        q = self.q_norm(self.q_proj(x[:, a:b]).view(bs, b - a, c.num_attention_heads, c.head_dim))
+        q = apply_rope_half(q, cos[:, a:b], sin[:, a:b])
         kv = torch.cat([ctx_kv, self.kv(x, cos, sin)], dim=1)  # [bs, C + B, kv_dim]
         half = kv.shape[-1] // 2
         k = kv[..., :half].view(bs, -1, c.num_key_value_heads, c.head_dim).transpose(1, 2)
@@ -129,7 +132,7 @@ class DraftAttention(nn.Module):
         o = F.scaled_dot_product_attention(
             q.transpose(1, 2), k.to(q.dtype), v.to(q.dtype), attn_mask=valid[:, None, None, :],
             enable_gqa=c.num_attention_heads != c.num_key_value_heads)
-        return self.o_proj(o.transpose(1, 2).reshape(bs, B, -1))
+        return self.o_proj(o.transpose(1, 2).reshape(bs, b - a, -1))
 
 
 class DraftLayer(nn.Module):
@@ -193,14 +196,19 @@ class DFlashDrafter(nn.Module):
         # NOTE: context features skip each layer's input norm (they are normed once above).
         return torch.stack([layer.self_attn.kv(ctx, cos, sin) for layer in self.layers])
 
-    def forward(self, block_emb: Tensor, positions: Tensor, ctx_kv: Tensor, ctx_valid: Tensor
-                ) -> Tensor:
+    def forward(self, block_emb: Tensor, positions: Tensor, ctx_kv: Tensor, ctx_valid: Tensor,
+                rows: tuple[int, int] | None = None) -> Tensor:
         """`block_emb [bs, B, H]` (target embeddings of `[anchor, MASK...]`), `positions [bs, B]`,
-        `ctx_kv [layers, bs, C, kv_dim]`, `ctx_valid [bs, C]` -> normed hidden `[bs, B, H]`."""
+        `ctx_kv [layers, bs, C, kv_dim]`, `ctx_valid [bs, C]` -> normed hidden `[bs, B, H]`, or
+        only block rows `rows = (start, stop)` (the last layer then computes only those; the
+        others still need every row as a key)."""
         cos, sin = self._rope(positions)
         h = block_emb
+        last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
-            h = h + layer.self_attn(layer.input_layernorm(h), cos, sin, ctx_kv[i], ctx_valid)
+            r = rows if i == last else None
+            a = layer.self_attn(layer.input_layernorm(h), cos, sin, ctx_kv[i], ctx_valid, r)
+            h = (h if r is None else h[:, r[0]:r[1]]) + a
             h = h + layer.mlp(layer.post_attention_layernorm(h))
         return self.norm(h)
 
