@@ -40,6 +40,9 @@ class StepShape:
     budget: int  # tree nodes besides the root (tree mode)
     block_size: int  # drafter block (anchor + L drafts); unused in ar mode
     sample: bool  # rejection sampling (True) or the greedy walk (False)
+    # Some row may use top-k/top-p (sampling only). False skips the vocabulary sort; a captured
+    # sampling graph keeps True, which serves every mix of rows.
+    filtered: bool = True
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -186,7 +189,7 @@ def decide(logits: Tensor, tree: DDTree, buf: StepBuffers, shape: StepShape) -> 
     if not shape.sample:
         return tree_greedy(tree.tokens, tree.next_token, tree.next_sibling, logits.argmax(-1),
                            max_accept=L)
-    probs = target_probs(logits, buf.temperature, buf.top_k, buf.top_p)
+    probs = target_probs(logits, buf.temperature, buf.top_k, buf.top_p, shape.filtered)
     return tree_sample(tree.tokens, tree.next_token, tree.next_sibling, probs, buf.coins,
                        buf.final_coins, max_accept=L)
 

@@ -14,6 +14,7 @@ import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -213,6 +214,11 @@ class StepGraphRunner:
         buf = self.buffers[size].rows(bp)
         N = buf.coins.shape[1]
         shape = self.shapes[(size, any(not r.params.greedy for r in reqs))]
+        if shape.sample and not self.use_graphs:
+            # Eager: sort the vocabulary only when some row truncates it (a greedy row in a
+            # sampling batch is top-k 1).
+            shape = replace(shape, filtered=any(
+                r.params.greedy or r.params.top_k > 0 or r.params.top_p < 1.0 for r in reqs))
         width = self.max_pages
         if not self.use_graphs:
             # Eager: gather only as much context as this batch has (a graph needs the full

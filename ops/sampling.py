@@ -15,7 +15,8 @@ def _per_row(x: Tensor, like: Tensor) -> Tensor:
     return x.view(x.shape[0], *([1] * (like.dim() - 1)))
 
 
-def target_probs(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor) -> Tensor:
+def target_probs(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor,
+                 filtered: bool = True) -> Tensor:
     """Sampling distribution `[bs, ..., V]` (fp32) of `logits` `[bs, ..., V]`.
 
     softmax(logits / temperature), then keep the `top_k` most likely tokens and renormalise
@@ -23,10 +24,14 @@ def target_probs(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tens
     probabilities whose mass reaches `top_p` and renormalise (`top_p >= 1` means no top-p; the most
     likely token is always kept). temperature, top_k, top_p: `[bs]`, applied to every middle row.
     Ties in probability are ordered by token id (stable sort), so the kept set is deterministic.
+    `filtered=False` promises that no row uses top-k or top-p and skips the sort over the
+    vocabulary (most of the cost): the result is then the tempered softmax itself.
     """
     vocab = logits.shape[-1]
     temp = _per_row(temperature.to(torch.float32), logits)
     probs = torch.softmax(logits.float() / temp, dim=-1)
+    if not filtered:
+        return probs
     sorted_p, order = torch.sort(probs, dim=-1, descending=True, stable=True)
     rank = torch.arange(vocab, device=logits.device)
     k = _per_row(top_k.to(torch.int64), logits)

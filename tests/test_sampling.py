@@ -60,6 +60,17 @@ def test_target_probs_matches_reference() -> None:
     torch.testing.assert_close(target_probs(logits[:, 1], temperature, top_k, top_p), got[:, 1])
 
 
+def test_unfiltered_path_is_the_plain_tempered_softmax() -> None:
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(6, 5, 40, generator=g) * 3
+    temperature = torch.rand(6, generator=g) + 0.2
+    off_k = torch.tensor([-1, 0, 40, 99, -1, 0])
+    ones = torch.ones(6)
+    fast = target_probs(logits, temperature, off_k, ones, filtered=False)
+    torch.testing.assert_close(fast, target_probs(logits, temperature, off_k, ones))
+    torch.testing.assert_close(fast, torch.softmax(logits / temperature[:, None, None], -1))
+
+
 def test_greedy_rows_are_one_hot_argmax() -> None:
     logits = torch.randn(5, 4, 30)
     ones = torch.ones(5)

@@ -196,6 +196,27 @@ def test_sampling_first_three_tokens_exact(mode, monkeypatch, tmp_path_factory):
         assert max(a for o in outs for a in o.accept_lengths) >= 2  # drafts were accepted
 
 
+def test_vocabulary_is_sorted_only_when_a_sampled_row_truncates(pair, monkeypatch):
+    import engine.spec
+
+    target, draft = pair
+    seen: list[bool] = []
+    real = engine.spec.target_probs
+    monkeypatch.setattr(engine.spec, "target_probs",
+                        lambda *a: seen.append(a[-1]) or real(*a))
+    free = SamplingParams(temperature=0.9, max_new_tokens=16, ignore_eos=True, seed=5)
+    ps = prompts_for(768, lens=[12, 5, 40], seed=3)
+    llm = LLM(target, draft, mode="tree", budget=8, max_batch_size=4, progress=False)
+    alone = llm.generate([ps[0]], free)[0].token_ids
+    assert seen and not any(seen)  # no top-k/top-p anywhere: the plain tempered softmax
+    seen.clear()
+    greedy = SamplingParams(max_new_tokens=16, ignore_eos=True)
+    mixed = llm.generate(ps[:2], [free, greedy])
+    assert seen[0]  # a greedy row in a sampling batch is top-k 1: the sorted path
+    assert mixed[0].token_ids == alone  # same distribution, same coins, same tokens
+    assert mixed[1].token_ids == llm.generate([ps[1]], greedy)[0].token_ids
+
+
 def test_same_seed_same_output_whatever_the_batch(pair):
     target, draft = pair
     sp = SamplingParams(temperature=0.9, top_k=20, max_new_tokens=24, ignore_eos=True, seed=42)
