@@ -80,10 +80,11 @@ def write_results(
 
 
 def table(rows: list[dict[str, Any]], columns: list[tuple[str, str, str]]) -> str:
-    """A fixed-width text table; columns are (key, header, format spec)."""
+    """A fixed-width text table; columns are (key, header, format spec); None prints "-"."""
     cells = [[header for _, header, _ in columns]]
     for row in rows:
-        cells.append([format(row[key], spec) for key, _, spec in columns])
+        cells.append(["-" if row[key] is None else format(row[key], spec)
+                      for key, _, spec in columns])
     widths = [max(len(r[i]) for r in cells) for i in range(len(columns))]
     lines = ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in cells]
     lines.insert(1, "  ".join("-" * w for w in widths))

@@ -183,7 +183,7 @@ def main(argv: list[str] | None = None) -> None:
         steps = r["steps"] or 0
         for k in PHASES:
             t = r["phase_seconds"].get(k, 0.0)
-            r[f"ms_{k}"] = 1000 * t / steps if steps else 0.0
+            r[f"ms_{k}"] = 1000 * t / steps if steps else None  # printed as "-"
     trees = [r for r in rows if r["mode"] == "tree" and r["temperature"] == 0]
     hf = next((r for r in rows if r["mode"] == "hf-generate"), None)
     best = max(trees, key=lambda r: r["tokens_per_s"]) if trees else None
