@@ -41,3 +41,20 @@ def test_drafter_learns_a_predictable_continuation(tmp_path):
     after = train_drafter(target, drafter, seqs, 8, steps=80, lr=1e-2, seed=0)
     assert after < 0.3 * before, (before, after)
     assert not drafter.training and not any(p.requires_grad for p in drafter.parameters())
+
+
+def test_target_sequences_mix_greedy_and_seeded_samples(tmp_path):
+    from engine import LLM, SamplingParams
+    from engine.tools.train_draft import target_sequences
+
+    t = make_tiny(tmp_path / "t", dtype="fp32")
+    prompts = [[5, 9, 300], [17, 4], [600, 3, 90, 2], [8]]
+    seqs = target_sequences(t, prompts, 6, batch=4, sampled=0.5, temperature=1.0, seed=3)
+    assert [s[:len(p)] for s, p in zip(seqs, prompts)] == prompts
+    assert all(len(s) == len(p) + 6 for s, p in zip(seqs, prompts))
+    llm = LLM(t, mode="ar", progress=False)
+    greedy = llm.generate(prompts, SamplingParams(max_new_tokens=6, ignore_eos=True))
+    assert [s[len(p):] for s, p in zip(seqs[:2], prompts)] == [o.token_ids for o in greedy[:2]]
+    assert seqs[2:] != [p + o.token_ids for p, o in zip(prompts[2:], greedy[2:])]  # sampled
+    assert target_sequences(t, prompts, 6, batch=4, sampled=0.5, temperature=1.0,
+                            seed=3) == seqs  # seeded: reproducible
