@@ -30,15 +30,21 @@ def _naive_attention(attn, x, cos, sin, ctx_kv, ctx_valid):
     return attn.o_proj(o.reshape(bs, B, -1))
 
 
-def test_grouped_attention_equals_naive(tmp_path):
+def _random_drafter(tmp_path, layers: int, block_size: int, seed: int) -> DFlashDrafter:
+    """A drafter for a tiny hidden-128 target, weights drawn large enough to matter."""
     make_tiny(tmp_path / "t", dtype="fp32", hidden=128)
-    conf = draft_config(tmp_path / "t", layers=1, block_size=6)
-    c = DraftConfig.from_dict(conf)
-    assert c.num_attention_heads != c.num_key_value_heads  # grouped queries exercised
-    torch.manual_seed(0)
+    c = DraftConfig.from_dict(draft_config(tmp_path / "t", layers=layers, block_size=block_size))
+    torch.manual_seed(seed)
     d = DFlashDrafter(c, 128)
     for p in d.parameters():
         p.data.normal_(0, 0.2)
+    return d
+
+
+def test_grouped_attention_equals_naive(tmp_path):
+    d = _random_drafter(tmp_path, layers=1, block_size=6, seed=0)
+    c = d.c
+    assert c.num_attention_heads != c.num_key_value_heads  # grouped queries exercised
     bs, C, B = 3, 11, c.block_size
     x = torch.randn(bs, B, c.hidden_size)
     pos = torch.tensor([4, 0, 9])[:, None] + torch.arange(B)
@@ -52,12 +58,8 @@ def test_grouped_attention_equals_naive(tmp_path):
 
 
 def test_rows_limit_only_the_last_layers_queries(tmp_path):
-    make_tiny(tmp_path / "t", dtype="fp32", hidden=128)
-    c = DraftConfig.from_dict(draft_config(tmp_path / "t", layers=2, block_size=8))
-    torch.manual_seed(1)
-    d = DFlashDrafter(c, 128)
-    for p in d.parameters():
-        p.data.normal_(0, 0.2)
+    d = _random_drafter(tmp_path, layers=2, block_size=8, seed=1)
+    c = d.c
     bs, C, B = 2, 9, c.block_size
     emb = torch.randn(bs, B, c.hidden_size)
     pos = torch.tensor([5, 9])[:, None] + torch.arange(B)
