@@ -60,13 +60,12 @@ def experts_sparse(x: Tensor, idx: Tensor, w: Tensor, w13: Tensor, w2: Tensor) -
     counts = torch.bincount(flat, minlength=w13.shape[0]).tolist()
     tok = order // k
     xs = x[tok]  # [T * k, H], grouped by expert
-    ys = torch.empty(T * k, w2.shape[1], dtype=x.dtype, device=x.device)
-    start = 0
+    parts, start = [], 0
     for e, n in enumerate(counts):
         if n:
             g, u = F.linear(xs[start:start + n], w13[e]).chunk(2, dim=-1)
-            torch.mm(F.silu(g) * u, w2[e].t(), out=ys[start:start + n])
+            parts.append(F.linear(F.silu(g) * u, w2[e]))
             start += n
-    ys = ys.float() * w.reshape(-1)[order, None].float()
+    ys = torch.cat(parts).float() * w.reshape(-1)[order, None].float()
     out = torch.zeros(T, x.shape[1], dtype=torch.float32, device=x.device)
     return out.index_add_(0, tok, ys).to(x.dtype)
