@@ -30,15 +30,16 @@ from engine.tools.make_tiny import NUM_SPECIAL, save_checkpoint, tiny_config
 from engine.tools.train_tokenizer import train_bpe
 
 
-def mini_config(vocab: int) -> dict[str, Any]:
-    """The bundled model's shape: about 5.5M parameters (11 MB in bf16), 4 layers (1 dense),
-    8 routed experts (2 per token) plus a shared one, 4 MLA heads, YaRN over a 512-token
-    original context."""
+def mini_config(vocab: int, layers: int = 4, hidden: int = 256) -> dict[str, Any]:
+    """The bundled model's shape: at the defaults about 5.5M parameters (11 MB in bf16), 4
+    layers (1 dense), 8 routed experts (2 per token) plus a shared one, 4 MLA heads, YaRN over a
+    512-token original context. Other widths scale every inner size with `hidden`."""
+    u = hidden // 16  # 16 at the default width
     return tiny_config(
-        layers=4, hidden=256, vocab=vocab, experts=8, experts_per_tok=2, first_dense=1,
-        num_attention_heads=4, num_key_value_heads=4, q_lora_rank=128, kv_lora_rank=128,
-        qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32, intermediate_size=768,
-        moe_intermediate_size=128, max_position_embeddings=4096,
+        layers=layers, hidden=hidden, vocab=vocab, experts=8, experts_per_tok=2, first_dense=1,
+        num_attention_heads=4, num_key_value_heads=4, q_lora_rank=8 * u, kv_lora_rank=8 * u,
+        qk_nope_head_dim=2 * u, qk_rope_head_dim=16, v_head_dim=2 * u, intermediate_size=48 * u,
+        moe_intermediate_size=8 * u, max_position_embeddings=4096,
         rope_scaling={"type": "yarn", "factor": 8.0, "original_max_position_embeddings": 512,
                       "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0})
 
@@ -101,6 +102,8 @@ def main(argv: list[str] | None = None) -> None:
                                  description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True, type=Path)
     ap.add_argument("--vocab", type=int, default=3072, help="vocabulary incl. 256 specials")
+    ap.add_argument("--layers", type=int, default=4, help="decoder layers (the first dense)")
+    ap.add_argument("--hidden", type=int, default=256, help="hidden size (multiple of 16)")
     ap.add_argument("--steps", type=int, default=2000)
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--seq", type=int, default=256)
@@ -123,7 +126,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"tokenizer: {len(ranks)} ranks; {len(train):,} train / {len(held):,} held-out "
           f"tokens ({time.time() - t_start:.0f} s)", flush=True)
 
-    conf = mini_config(a.vocab)
+    conf = mini_config(a.vocab, a.layers, a.hidden)
     conf["bos_token_id"], conf["eos_token_id"] = tok.bos_id, tok.eos_id
     cfg = ModelConfig.from_dict(conf)
     model = KimiForCausalLM(cfg)
