@@ -167,13 +167,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     a = ap.parse_args(argv)
+    if not 0.0 <= a.sampled <= 1.0:
+        ap.error(f"--sampled must be in [0, 1], got {a.sampled}")
     if a.threads:
         torch.set_num_threads(a.threads)
     t_start = time.time()
     target = KimiForCausalLM.from_dir(a.target, progress=False)
     prompts = corpus_prompts(a.target, a.prompts, a.prompt_len, a.seed)
-    if not 0.0 <= a.sampled <= 1.0:
-        raise SystemExit(f"--sampled must be in [0, 1], got {a.sampled}")
     print(f"continuing {len(prompts)} corpus windows of {a.prompt_len} tokens by "
           f"{a.new_tokens} target tokens ({a.sampled:.0%} sampled at T={a.temperature:g})",
           flush=True)

@@ -33,7 +33,8 @@ from engine.tools.train_tokenizer import train_bpe
 def mini_config(vocab: int, layers: int = 4, hidden: int = 256) -> dict[str, Any]:
     """The bundled model's shape: at the defaults about 5.5M parameters (11 MB in bf16), 4
     layers (1 dense), 8 routed experts (2 per token) plus a shared one, 4 MLA heads, YaRN over a
-    512-token original context. Other widths scale every inner size with `hidden`."""
+    512-token original context. Other widths scale the inner sizes (all but the head count and
+    the rope dim) with `hidden`."""
     u = hidden // 16  # 16 at the default width
     return tiny_config(
         layers=layers, hidden=hidden, vocab=vocab, experts=8, experts_per_tok=2, first_dense=1,
