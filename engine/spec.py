@@ -31,7 +31,6 @@ if TYPE_CHECKING:
     from engine.parallel import TensorParallel
 
 
-
 @dataclass(frozen=True)
 class StepShape:
     """The static knobs of one captured step: every tensor shape follows from these."""
