@@ -215,10 +215,8 @@ class StepGraphRunner:
         N = buf.coins.shape[1]
         shape = self.shapes[(size, any(not r.params.greedy for r in reqs))]
         if shape.sample and not self.use_graphs:
-            # Eager: sort the vocabulary only when some row truncates it (a greedy row in a
-            # sampling batch is top-k 1).
-            shape = replace(shape, filtered=any(
-                r.params.greedy or r.params.top_k > 0 or r.params.top_p < 1.0 for r in reqs))
+            # Eager: sort the vocabulary only when some row truncates it.
+            shape = replace(shape, filtered=any(r.params.truncates for r in reqs))
         width = self.max_pages
         if not self.use_graphs:
             # Eager: gather only as much context as this batch has (a graph needs the full
