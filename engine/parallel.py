@@ -35,6 +35,7 @@ wall seconds per collective, synchronizing the device around each call.
 
 from __future__ import annotations
 
+import atexit
 import itertools
 import os
 import sys
@@ -70,6 +71,7 @@ COLLECTIVE_TIMEOUT_S = 600.0
 CONTROL_TIMEOUT = timedelta(days=30)
 DEFAULT_HEARTBEAT_TIMEOUT_S = 30.0
 STORE_PREFIX = "kimi-spec/tp/"
+_GROUP_BROKEN = threading.Event()  # a collective failed in this process
 
 
 class PeerLost(RuntimeError):
@@ -131,6 +133,10 @@ class TensorParallel:
             dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", rank=rank,
                                     world_size=world_size,
                                     timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+            # NOTE: one process may run several engines on this group, so it is left at exit,
+            # while the interpreter is whole: a gloo group left to finalization can abort the
+            # process ("terminate called without an active exception") after its work is done.
+            atexit.register(_leave_default_group)
         # NOTE: new_group is itself a collective: every rank creates its groups in one order.
         control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
         tp = cls(rank, world_size, dev, dist.group.WORLD, control)
@@ -167,9 +173,13 @@ class TensorParallel:
                 torch.cuda.synchronize(self.device)
             self.comm.seconds[op] += time.perf_counter() - t0
         except RuntimeError as e:
-            self.broken = True
+            self._break()
             raise PeerLost(f"tensor-parallel rank {self.rank} of {self.world}: {op} failed; a "
                            f"peer is gone or stuck ({e})") from e
+
+    def _break(self) -> None:
+        self.broken = True
+        _GROUP_BROKEN.set()
 
     def all_reduce(self, x: Tensor) -> Tensor:
         """Sum of `x` over ranks (in place on a contiguous `x`; returns the result)."""
@@ -216,7 +226,7 @@ class TensorParallel:
         try:
             dist.broadcast_object_list(box, src=0, group=self.control)
         except RuntimeError as e:
-            self.broken = True
+            self._break()
             raise PeerLost(f"tensor-parallel rank {self.rank} of {self.world}: lost the leader's "
                            f"command channel ({what}); a peer is gone ({e})") from e
 
@@ -483,6 +493,12 @@ def follow(tp: TensorParallel, models: Models, pool: KVPool, runner: StepGraphRu
             return kind
         else:
             raise RuntimeError(f"tensor-parallel rank {tp.rank}: unknown command {kind!r}")
+
+
+def _leave_default_group() -> None:
+    # NOTE: after a failed collective, leaving could wait on the lost peer: the process just exits.
+    if dist.is_initialized() and not _GROUP_BROKEN.is_set():
+        dist.destroy_process_group()
 
 
 # ---- liveness ----------------------------------------------------------------------------------
