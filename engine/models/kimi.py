@@ -21,7 +21,7 @@ from torch import Tensor, nn
 
 from engine.config import ModelConfig
 from ops.attention import PrefixKernel, absorbed_attention, joint_mask, mla_naive
-from ops.moe import experts_dense, experts_sparse, route_noaux_tc
+from ops.moe import dense_is_cheaper, experts_dense, experts_sparse, route_noaux_tc
 from ops.rope import apply_rope_interleaved, rope_cos_sin, rope_frequencies
 
 if TYPE_CHECKING:
@@ -317,9 +317,14 @@ class KimiForCausalLM(nn.Module):
         which query tokens each query sees (itself included); `tree_kv_out [layers, bs, Q, R + P]`
         receives the queries' own cache rows (the commit copies the accepted ones into the
         cache). Returns logits `[bs, Q, V]` (fp32) and the aux-layer features `[bs, Q, n * H]`.
-        `sparse_moe` picks the eager-only expert dispatch (see `ops.moe`); `prefix` a planned
-        prefix-attention kernel (one plan serves every layer).
+        `sparse_moe` allows the eager-only expert dispatch (see `ops.moe`), taken unless the
+        dense one is cheaper for this many rows; `prefix` a planned prefix-attention kernel (one
+        plan serves every layer).
         """
+        c = self.cfg
+        if sparse_moe and c.n_routed_experts:
+            sparse_moe = not dense_is_cheaper(tokens.numel(), c.n_routed_experts, c.hidden_size,
+                                              c.moe_intermediate_size)
         cos, sin = self._rope(positions)
         mask = joint_mask(slots, ctx_len, visible) if prefix is None else None
         h = self.model.embed_tokens(tokens)
