@@ -1,6 +1,6 @@
 """Speculative decoding against its own baseline and against transformers, in one run:
 
-    python -m bench.spec [--model DIR --draft DIR] [--budgets 4 8 16 32 64] [--max-new-tokens N]
+    python -m bench.spec [--model DIR --draft DIR] [--budgets 4 8 16 32 64] [--threads 1]
 
 On one model (default: the bundled one) and the same prompts (held-out corpus files for the
 bundled model, never trained on), greedy at batch size 1 by default, runs our `ar`, `chain` and
@@ -126,8 +126,23 @@ def main(argv: list[str] | None = None) -> None:
                          "each run reports its median round")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="runs/bench")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="CPU threads for every run, ours and transformers' (default 1, as in "
+                         "graphs.profile: the step's ops are small and a second thread mostly "
+                         "waits; 0: torch's default)")
     a = ap.parse_args(argv)
+    if a.threads < 0:
+        ap.error(f"--threads must be >= 0, got {a.threads}")
+    threads = torch.get_num_threads()
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    try:
+        _bench(a)
+    finally:
+        torch.set_num_threads(threads)
 
+
+def _bench(a: argparse.Namespace) -> None:
     tmp = None
     if a.random:
         from engine.tools.make_draft import make_draft
