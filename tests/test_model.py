@@ -155,3 +155,19 @@ def test_joint_attention_equals_prefix_tree_merge():
     mask = joint_mask(slots, ctx_len, visible)
     got = joint_attention(q_lat, q_pe, kv_cache, slots, tree_kv, mask, R, 0.3)
     torch.testing.assert_close(got, merge_states(o1, l1, o2, l2), rtol=1e-5, atol=1e-5)
+
+
+def test_dense_expert_pass_equals_sparse_dispatch_and_is_taken_only_when_small():
+    from ops.moe import dense_is_cheaper, experts_dense, experts_sparse, route_noaux_tc
+
+    g = torch.Generator().manual_seed(0)
+    E, H, inter, T = 8, 32, 16, 9
+    x = torch.randn(T, H, generator=g)
+    w13 = torch.randn(E, 2 * inter, H, generator=g) * 0.1
+    w2 = torch.randn(E, H, inter, generator=g) * 0.1
+    idx, w = route_noaux_tc(torch.randn(T, E, generator=g), torch.zeros(E), 2, 1, 1, True, 2.5)
+    torch.testing.assert_close(experts_dense(x, idx, w, w13, w2),
+                               experts_sparse(x, idx, w, w13, w2))
+    assert dense_is_cheaper(17, 8, 128, 64)  # the bundled model's experts, a tree-16 verify
+    assert not dense_is_cheaper(256, 8, 128, 64)  # ... its prefill of a 256-token prompt
+    assert not dense_is_cheaper(1, 384, 7168, 2048)  # Kimi K2's experts, one token
