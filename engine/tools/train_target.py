@@ -1,6 +1,6 @@
 """Train the bundled target: a small Kimi-architecture model on the Python standard library.
 
-    python -m engine.tools.train_target --out models/kimi-mini [--steps 2400] [--seed 0]
+    python -m engine.tools.train_target --out models/kimi-mini [--steps 1500] [--seed 0]
 
 One command, fixed seed: trains a byte-level BPE tokenizer on the corpus's train split, then the
 model (MLA with YaRN, noaux_tc MoE with a shared expert and a dense first layer) with AdamW, and
@@ -30,12 +30,12 @@ from engine.tools.make_tiny import NUM_SPECIAL, save_checkpoint, tiny_config
 from engine.tools.train_tokenizer import train_bpe
 
 
-def mini_config(vocab: int, layers: int = 4, hidden: int = 256) -> dict[str, Any]:
-    """The bundled model's shape: at the defaults about 5.5M parameters (11 MB in bf16), 4
-    layers (1 dense), 8 routed experts (2 per token) plus a shared one, 4 MLA heads, YaRN over a
-    512-token original context. Other widths scale the inner sizes (all but the head count and
-    the rope dim) with `hidden`."""
-    u = hidden // 16  # 16 at the default width
+def mini_config(vocab: int, layers: int = 16, hidden: int = 128) -> dict[str, Any]:
+    """The bundled model's shape: at the defaults about 5.0M parameters (10 MB in bf16), 16
+    narrow layers (1 dense), 8 routed experts (2 per token) plus a shared one, 4 MLA heads, YaRN
+    over a 512-token original context. Other widths scale the inner sizes (all but the head
+    count and the rope dim) with `hidden`."""
+    u = hidden // 16  # 8 at the default width
     return tiny_config(
         layers=layers, hidden=hidden, vocab=vocab, experts=8, experts_per_tok=2, first_dense=1,
         num_attention_heads=4, num_key_value_heads=4, q_lora_rank=8 * u, kv_lora_rank=8 * u,
@@ -103,9 +103,9 @@ def main(argv: list[str] | None = None) -> None:
                                  description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True, type=Path)
     ap.add_argument("--vocab", type=int, default=3072, help="vocabulary incl. 256 specials")
-    ap.add_argument("--layers", type=int, default=4, help="decoder layers (the first dense)")
-    ap.add_argument("--hidden", type=int, default=256, help="hidden size (multiple of 16)")
-    ap.add_argument("--steps", type=int, default=2000)
+    ap.add_argument("--layers", type=int, default=16, help="decoder layers (the first dense)")
+    ap.add_argument("--hidden", type=int, default=128, help="hidden size (multiple of 16)")
+    ap.add_argument("--steps", type=int, default=1500)
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--seq", type=int, default=256)
     ap.add_argument("--lr", type=float, default=3e-3)
