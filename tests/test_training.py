@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+import shlex
+
 import torch
 
 from engine.models.dflash import DFlashDrafter, DraftConfig
@@ -79,3 +82,41 @@ def test_target_trains_through_the_sparse_expert_dispatch(tmp_path):
     assert any("experts.0." in n for n in grads[0])
     for n in grads[0]:
         torch.testing.assert_close(grads[0][n], grads[1][n], rtol=1e-4, atol=1e-6)
+
+
+def _options(args: list[str], drop: tuple[str, ...] = ("--target", "--out", "--init")
+             ) -> dict[str, list[str]]:
+    opts: dict[str, list[str]] = {}
+    for a in args:
+        if a.startswith("--"):
+            key = a
+            opts[key] = []
+        else:
+            opts[key].append(a)
+    return {k: v for k, v in opts.items() if k not in drop}
+
+
+def test_train_bundled_runs_the_shipped_pairs_recorded_recipe(tmp_path, capsys):
+    """The one-command recipe is exactly what the shipped files record, stage for stage, each
+    drafter stage starting from the one before."""
+    from engine.llm import DEFAULT_DRAFT, DEFAULT_MODEL
+    from engine.tools.train_bundled import commands, main
+
+    cmds = commands(tmp_path / "out", tmp_path / "work")
+    assert [m for m, _ in cmds] == ["engine.tools.train_target"] + ["engine.tools.train_draft"] * 4
+    recorded = [json.loads((DEFAULT_MODEL / "training.json").read_text())["command"]]
+    stages = []
+    rec = json.loads((DEFAULT_DRAFT / "training.json").read_text())
+    while rec:
+        stages.append(rec["command"])
+        rec = rec["init_training"]
+    recorded += stages[::-1]
+    for (_, args), cmd in zip(cmds, recorded, strict=True):
+        assert _options(args) == _options(shlex.split(cmd)[3:]), cmd
+    drafts = [_options(args, drop=()) for _, args in cmds[1:]]
+    assert all(d["--target"] == [str(tmp_path / "out" / "kimi-mini")] for d in drafts)
+    assert "--init" not in drafts[0]
+    assert all(b["--init"] == a["--out"] for a, b in zip(drafts, drafts[1:]))
+    assert drafts[-1]["--out"] == [str(tmp_path / "out" / "kimi-mini-dflash")]
+    main(["--out", str(tmp_path / "out"), "--dry-run"])
+    assert len(capsys.readouterr().out.splitlines()) == 5 and not (tmp_path / "out").exists()
