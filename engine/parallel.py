@@ -71,7 +71,7 @@ COLLECTIVE_TIMEOUT_S = 600.0
 CONTROL_TIMEOUT = timedelta(days=30)
 DEFAULT_HEARTBEAT_TIMEOUT_S = 30.0
 STORE_PREFIX = "kimi-spec/tp/"
-_GROUP_BROKEN = threading.Event()  # a collective failed in this process
+_GROUP_BROKEN = threading.Event()  # a collective failed: this process's group is unusable
 
 
 class PeerLost(RuntimeError):
@@ -109,8 +109,12 @@ class TensorParallel:
         self.group, self.control = group, control
         self.comm = CommStats()
         self.timed = False
-        self.broken = False
         self._watchdog: _Watchdog | None = None
+
+    @property
+    def broken(self) -> bool:
+        """A collective failed (in this engine or an earlier one on the same group)."""
+        return _GROUP_BROKEN.is_set()
 
     @classmethod
     def init(cls, world_size: int, device: str | torch.device = "cpu",
@@ -173,13 +177,9 @@ class TensorParallel:
                 torch.cuda.synchronize(self.device)
             self.comm.seconds[op] += time.perf_counter() - t0
         except RuntimeError as e:
-            self._break()
+            _GROUP_BROKEN.set()
             raise PeerLost(f"tensor-parallel rank {self.rank} of {self.world}: {op} failed; a "
                            f"peer is gone or stuck ({e})") from e
-
-    def _break(self) -> None:
-        self.broken = True
-        _GROUP_BROKEN.set()
 
     def all_reduce(self, x: Tensor) -> Tensor:
         """Sum of `x` over ranks (in place on a contiguous `x`; returns the result)."""
@@ -226,7 +226,7 @@ class TensorParallel:
         try:
             dist.broadcast_object_list(box, src=0, group=self.control)
         except RuntimeError as e:
-            self._break()
+            _GROUP_BROKEN.set()
             raise PeerLost(f"tensor-parallel rank {self.rank} of {self.world}: lost the leader's "
                            f"command channel ({what}); a peer is gone ({e})") from e
 
