@@ -13,7 +13,6 @@ commands instead.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import shlex
 import sys
 import tempfile
@@ -46,10 +45,11 @@ def commands(out: Path, work: Path) -> list[tuple[str, list[str]]]:
 
 
 def write_sums(out: Path) -> None:
+    from engine.tools.train_draft import sha256_of
+
     files = sorted(p for d in ("kimi-mini", "kimi-mini-dflash") for p in (out / d).iterdir()
                    if p.is_file())
-    lines = [f"{hashlib.sha256(p.read_bytes()).hexdigest()}  {p.relative_to(out).as_posix()}"
-             for p in files]
+    lines = [f"{sha256_of(p)}  {p.relative_to(out).as_posix()}" for p in files]
     (out / "SHA256SUMS").write_text("\n".join(lines) + "\n")
 
 

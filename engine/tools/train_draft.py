@@ -136,7 +136,7 @@ def train_drafter(target: KimiForCausalLM, drafter: DFlashDrafter, seqs: torch.T
     return loss_v
 
 
-def _sha256(path: Path) -> str:
+def sha256_of(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
@@ -211,7 +211,7 @@ def main(argv: list[str] | None = None) -> None:
                  "source": "windows of the target's corpus train split (engine.tools.corpus), "
                  "continued by the target (greedily, or sampled for the `sampled` fraction)"},
         "target": {"dir": str(a.target),
-                   "sha256": {p.name: _sha256(p) for p in target_files}},
+                   "sha256": {p.name: sha256_of(p) for p in target_files}},
     }
     (a.out / "training.json").write_text(json.dumps(record, indent=1) + "\n")
     print(f"wrote drafter to {a.out} ({time.time() - t_start:.0f} s)")
