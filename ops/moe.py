@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+from ops.quant import dequant_int4
 
 
 def route_noaux_tc(
@@ -82,3 +86,206 @@ def experts_sparse(x: Tensor, idx: Tensor, w: Tensor, w13: Tensor, w2: Tensor) -
     ys = torch.cat(parts).float() * w.reshape(-1)[order, None].float()
     out = torch.zeros(T, x.shape[1], dtype=torch.float32, device=x.device)
     return out.index_add_(0, tok, ys).to(x.dtype)
+
+
+# --- Static-shape expert alignment and the expert bank over it (the layout the Triton kernels
+# in `ops.moe_triton` read; `ops.custom_ops` wraps both as torch custom ops). ---
+
+# Expert weights one chunk of blocks may hold at once in `experts_aligned*` (the gathered copy
+# plus its fp32 twin); chunks only bound memory, every chunk size gives the same result.
+ALIGNED_CHUNK_BYTES = 1 << 28
+
+
+def _round_up(n: int, m: int) -> int:
+    return -(-n // m) * m
+
+
+def moe_align_capacity(num_pairs: int, num_experts: int, block: int) -> int:
+    """Rows of the aligned layout for `num_pairs = T * k` routed pairs: every pair plus at most
+    `block - 1` padding rows for each non-empty expert, rounded up to a whole block.
+
+    At most `min(E, num_pairs)` experts are non-empty, so this is the bound
+    `round_up(T*k + E*(block-1), block)` of vLLM / SGLang tightened for few tokens (decode with
+    `T = 1, k = 8, E = 384, block = 16`: 128 rows instead of 5776); it depends on shapes only.
+    """
+    if block < 1 or block & (block - 1):
+        raise ValueError(f"block must be a power of two, got {block}")
+    return _round_up(num_pairs + min(num_experts, num_pairs) * (block - 1), block)
+
+
+def moe_align_block_size(topk_ids: Tensor, num_experts: int,
+                         block: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Group the `T * k` (token, slot) pairs of `topk_ids [T, k]` by expert, each expert's run
+    padded to a multiple of `block`, with output shapes fixed by `(T, k, E, block)` alone.
+
+    Returns, with `N = T * k` and `cap = moe_align_capacity(N, E, block)`:
+
+    - `sorted_ids [cap]` int64: flat pair indices `t * k + j`, expert 0's run first; within an
+      expert, pairs keep increasing flat order (stable). Padding entries hold `N`.
+    - `block_expert [cap // block]` int64: the expert of each block; `-1` for the unused
+      trailing blocks (those at or past `num_padded`).
+    - `num_padded [1]` int64: rows in use, `sum_e round_up(count_e, block)`.
+
+    Ids outside `[0, E)` (for example `-1` for an expert held by another rank) get no row: the
+    pair is dropped. No host syncs and no data-dependent shapes (runs under `FakeTensorMode`
+    and inside CUDA graphs), so no `bincount` / `nonzero` / `repeat_interleave` on tensors.
+    """
+    E = num_experts
+    n = topk_ids.numel()
+    cap = moe_align_capacity(n, E, block)
+    dev = topk_ids.device
+    flat = topk_ids.reshape(-1).to(torch.int64)
+    # Bucket E collects the dropped ids; a stable sort keeps flat order within each bucket.
+    key = torch.where((flat >= 0) & (flat < E), flat, torch.full_like(flat, E))
+    counts = torch.zeros(E + 1, dtype=torch.int64, device=dev)
+    counts.scatter_add_(0, key, torch.ones_like(key))
+    padded = (counts[:E] + (block - 1)) // block * block
+    ends = padded.cumsum(0)  # [E]: end row of each expert's padded run
+    order = torch.argsort(key, stable=True)
+    skey = key[order]
+    # Rank of each pair within its expert: its position in sorted order minus its bucket start.
+    bucket_start = counts.cumsum(0) - counts
+    rank = torch.arange(n, dtype=torch.int64, device=dev) - bucket_start[skey]
+    run_start = torch.cat([ends - padded, torch.full((1,), cap, dtype=torch.int64, device=dev)])
+    # Dropped pairs all land in the extra slot `cap`, cut off below.
+    dest = torch.where(skey < E, run_start[skey] + rank, torch.full_like(rank, cap))
+    sorted_ids = torch.full((cap + 1,), n, dtype=torch.int64, device=dev)
+    sorted_ids.scatter_(0, dest, order)
+    starts = torch.arange(0, cap, block, dtype=torch.int64, device=dev)
+    owner = torch.searchsorted(ends, starts, right=True)  # E for blocks past the last run
+    block_expert = torch.where(owner < E, owner, torch.full_like(owner, -1))
+    num_padded = ends[-1:] if E > 0 else torch.zeros(1, dtype=torch.int64, device=dev)
+    return sorted_ids[:cap], block_expert, num_padded
+
+
+def _chunk_blocks(num_blocks: int, expert_values: int, itemsize: int,
+                  chunk_blocks: int | None) -> int:
+    if chunk_blocks is not None:
+        return max(1, chunk_blocks)
+    per_block = expert_values * (itemsize + 4)  # the gathered weights and their fp32 copy
+    return max(1, min(num_blocks, ALIGNED_CHUNK_BYTES // max(per_block, 1)))
+
+
+def _experts_over_blocks(
+    x: Tensor, w: Tensor, sorted_ids: Tensor, block_expert: Tensor, top_k: int, block: int,
+    load: Callable[[Tensor], tuple[Tensor, Tensor]], chunk: int,
+) -> Tensor:
+    """The expert bank over an alignment, one chunk of blocks at a time; `load(experts [C])`
+    gives that chunk's `(w13 [C, 2I, H], w2 [C, H, I])`. Mirrors the Triton kernels' rounding:
+    fp32 matmuls, `silu(g) * u` rounded to x's dtype once, routing weights in fp32, one `[T*k,
+    H]` fp32 row per pair, summed over the k slots in slot order."""
+    T, H = x.shape
+    n = T * top_k
+    nb = block_expert.shape[0]
+    # Padding entries hold n: they read the zero row T of x and the weight 0 at index n.
+    xp = torch.cat([x, x.new_zeros(1, H)])
+    wp = torch.cat([w.reshape(-1).float(), torch.zeros(1, dtype=torch.float32, device=x.device)])
+    y = torch.zeros(n + 1, H, dtype=torch.float32, device=x.device)
+    ids = sorted_ids.view(nb, block)
+    for c0 in range(0, nb, chunk):
+        ids_c = ids[c0:c0 + chunk]
+        # Unused trailing blocks (-1) hold only padding rows: any expert gives them zeros.
+        w13c, w2c = load(block_expert[c0:c0 + chunk].clamp(min=0))
+        xs = xp[ids_c // top_k].float()  # [C, block, H]
+        g, u = torch.bmm(xs, w13c.float().transpose(1, 2)).chunk(2, dim=-1)
+        a = (F.silu(g) * u).to(x.dtype).float()  # [C, block, I]
+        o = torch.bmm(a, w2c.float().transpose(1, 2)) * wp[ids_c].unsqueeze(-1)
+        y.index_add_(0, ids_c.reshape(-1), o.reshape(-1, H))
+    return y[:n].view(T, top_k, H).sum(1).to(x.dtype)
+
+
+def experts_aligned(
+    x: Tensor, idx: Tensor, w: Tensor, w13: Tensor, w2: Tensor, block: int = 16,
+    chunk_blocks: int | None = None,
+) -> Tensor:
+    """The routed expert bank over `moe_align_block_size`, with static shapes (no host syncs;
+    runs under `FakeTensorMode` and in CUDA graphs): the torch twin of the Triton kernel.
+
+    `x [T, H]`, `idx/w [T, k]` (ids outside `[0, E)` are dropped), `w13 [E, 2I, H]` (gate rows
+    then up rows), `w2 [E, H, I]` -> `[T, H]` in x's dtype, `sum_k w * down(silu(gate(x)) *
+    up(x))` with fp32 matmuls. Each block gathers only its own expert's weights, `chunk_blocks`
+    blocks at a time (default: as many as fit `ALIGNED_CHUNK_BYTES`). It computes all
+    `moe_align_capacity` rows, padding included.
+    """
+    T, k = idx.shape
+    E, I2, H = w13.shape
+    sorted_ids, block_expert, _ = moe_align_block_size(idx, E, block)
+    chunk = _chunk_blocks(block_expert.shape[0], I2 * H + H * (I2 // 2), w13.element_size(),
+                          chunk_blocks)
+    return _experts_over_blocks(x, w, sorted_ids, block_expert, k, block,
+                                lambda e: (w13[e], w2[e]), chunk)
+
+
+def _dequant_experts(packed: Tensor, scale: Tensor, experts: Tensor, cols: int, group: int,
+                     dtype: torch.dtype) -> Tensor:
+    """Dequantize only `experts [C]` of a packed bank `[E, rows, ceil(cols/8)]` -> `[C, rows,
+    cols]`, through `dequant_int4` (so bit for bit what dequantizing the whole bank gives)."""
+    c, rows = experts.shape[0], packed.shape[1]
+    q = dequant_int4(packed[experts].reshape(c * rows, -1), scale[experts].reshape(c * rows, -1),
+                     (c * rows, cols), group, dtype)
+    return q.view(c, rows, cols)
+
+
+def experts_aligned_w4a16(
+    x: Tensor, idx: Tensor, w: Tensor, w13_packed: Tensor, w13_scale: Tensor,
+    w2_packed: Tensor, w2_scale: Tensor, group_size: int = 32, block: int = 16,
+    chunk_blocks: int | None = None,
+) -> Tensor:
+    """`experts_aligned` over an INT4 pack-quantized bank (`ops.quant.dequant_int4` format:
+    lowest nibble first, code `q + 8`, symmetric, one scale per `group_size` input columns).
+
+    `x [T, H]`, `idx/w [T, k]`, `w13_packed [E, 2I, ceil(H/8)]` int32, `w13_scale [E, 2I,
+    ceil(H/group)]`, `w2_packed [E, H, ceil(I/8)]` int32, `w2_scale [E, H, ceil(I/group)]` ->
+    `[T, H]` in x's dtype. Weights stay packed: each chunk dequantizes (to x's dtype, as W4A16
+    does) only the experts of its blocks. Bit for bit `experts_aligned` on the dequantized bank
+    (elementwise dequantization, then the same ops on the same shapes).
+    """
+    T, k = idx.shape
+    H = x.shape[1]
+    E, I2 = w13_packed.shape[:2]
+    inter = I2 // 2
+    sorted_ids, block_expert, _ = moe_align_block_size(idx, E, block)
+    chunk = _chunk_blocks(block_expert.shape[0], I2 * H + H * inter, x.element_size(),
+                          chunk_blocks)
+
+    def load(e: Tensor) -> tuple[Tensor, Tensor]:
+        return (_dequant_experts(w13_packed, w13_scale, e, H, group_size, x.dtype),
+                _dequant_experts(w2_packed, w2_scale, e, inter, group_size, x.dtype))
+
+    return _experts_over_blocks(x, w, sorted_ids, block_expert, k, block, load, chunk)
+
+
+def moe_flops(T: int, k: int, E: int, H: int, I: int, block: int) -> tuple[int, int]:  # noqa: E741
+    """`(useful, executed)` matmul FLOPs of the routed expert bank (SiLU and weighting left out).
+
+    `useful = 2 * T*k * (2I*H + H*I)`: what `FlopCounterMode` counts for the `kimi::moe_experts*`
+    ops (padding excluded). `executed` adds the block padding at its worst case,
+    `moe_align_capacity(T*k, E, block)` rows: what the torch twin computes every call and the
+    most the fixed Triton grid runs (it skips blocks past `num_padded` at run time).
+    """
+    per_row = 2 * (2 * I * H + H * I)
+    return T * k * per_row, moe_align_capacity(T * k, E, block) * per_row
+
+
+def moe_bytes(T: int, k: int, E: int, H: int, I: int, *, weights: str = "bf16",  # noqa: E741
+              act_bytes: int = 2, group_size: int = 32, scale_bytes: int = 2,
+              block: int = 16) -> dict[str, int]:
+    """Bytes the expert op moves, as stored, for a cost model.
+
+    `weights`: "int4" (packed int32 words, 0.5 B a value, plus `scale_bytes` per group scale),
+    or "bf16" / "fp16" / "fp32" / "fp8". Weights are read for at most `min(E, T*k)` distinct
+    experts, each once. `activations`: x read, output written, `idx` (int64) and `w` (fp32)
+    read. `scratch`: the Triton path's intermediate `[cap, I]` (x's dtype) and per-pair fp32
+    `[T*k, H]` rows, each written once and read once. `total` is the sum of the three.
+    """
+    experts = min(E, T * k)
+    if weights == "int4":
+        per = 4 * (2 * I * -(-H // 8) + H * -(-I // 8))
+        per += scale_bytes * (2 * I * -(-H // group_size) + H * -(-I // group_size))
+    else:
+        per = 3 * I * H * {"bf16": 2, "fp16": 2, "fp32": 4, "fp8": 1}[weights]
+    w_bytes = experts * per
+    act = 2 * T * H * act_bytes + T * k * (8 + 4)
+    scratch = 2 * moe_align_capacity(T * k, E, block) * I * act_bytes + 2 * T * k * H * 4
+    return {"experts": experts, "weights": w_bytes, "activations": act, "scratch": scratch,
+            "total": w_bytes + act + scratch}

@@ -130,3 +130,25 @@ def quantize_fp8_block(
     s = _expand_cols(scale_inv.repeat_interleave(b0, dim=0)[:out_f], b1, in_f)
     w8 = (w32 / s).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
     return w8, scale_inv
+
+
+def fp8_linear_torch(
+    x: torch.Tensor, w: torch.Tensor, scale_inv: torch.Tensor,
+    block: tuple[int, int] = (128, 128),
+) -> torch.Tensor:
+    """`x [..., K]` (bf16/fp16/fp32) times the FP8 block weight `w [N, K]` (float8_e4m3fn,
+    `scale_inv [ceil(N/b0), ceil(K/b1)]` fp32) -> `[..., N]` in x's dtype.
+
+    Weight-only: the weight is dequantized (to x's dtype, the product formed in fp32) on every
+    call and never kept, so the bank stays at one byte a value; the torch twin of
+    `ops.quant_triton.fp8_linear_triton`.
+    """
+    return torch.nn.functional.linear(x, dequant_fp8_block(w, scale_inv, block, dtype=x.dtype))
+
+
+def fp8_linear_bytes(M: int, N: int, K: int, act_bytes: int = 2,
+                     block: tuple[int, int] = (128, 128)) -> int:
+    """Bytes one `fp8_linear` moves as stored: the fp8 weight (1 B a value) and its fp32 block
+    scales read once, `x [M, K]` read and `y [M, N]` written in `act_bytes` a value."""
+    scales = 4 * -(-N // block[0]) * -(-K // block[1])
+    return N * K + scales + (M * K + M * N) * act_bytes

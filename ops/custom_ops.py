@@ -1,0 +1,145 @@
+"""The expert bank and the FP8 linear as torch custom ops, with fake kernels and FLOP formulas.
+
+- `torch.ops.kimi.moe_experts(x, idx, w, w13, w2, block=16)`: float expert weights.
+- `torch.ops.kimi.moe_experts_w4a16(x, idx, w, w13_packed, w13_scale, w2_packed, w2_scale,
+  group_size=32, block=16)`: INT4 pack-quantized expert weights, dequantized per call.
+- `torch.ops.kimi.fp8_linear(x, w, scale_inv, block_n=128, block_k=128)`: FP8 block weights.
+
+Shapes: `x [T, H]`, `idx/w [T, k]` (routing ids and weights; ids outside `[0, E)` are
+dropped), `w13 [E, 2I, H]` (gate rows then up rows), `w2 [E, H, I]`, packed as in
+`ops.quant.dequant_int4` -> `[T, H]` in x's dtype; `fp8_linear`: `x [..., K]`, `w [N, K]`
+float8_e4m3fn, `scale_inv [ceil(N/block_n), ceil(K/block_k)]` fp32 -> `[..., N]`.
+
+Dispatch: CUDA tensors run the Triton kernels (`ops.moe_triton`, `ops.quant_triton`) when
+triton imports, otherwise (and on the CPU) the static-shape torch twins (`ops.moe.experts_aligned*`,
+`ops.quant.fp8_linear_torch`). Triton is imported only on the first CUDA call.
+
+Fake kernels give the output shape and dtype only, so the ops run under `FakeTensorMode` and
+on the meta device. `FlopCounterMode` counts useful matmul FLOPs: `2 * T*k * (2I*H + H*I)` for
+the experts (block padding not included; `ops.moe.moe_flops` gives both numbers) and
+`2 * M*N*K` for the linear. Importing this module registers everything once.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+from torch import Tensor
+from torch.utils.flop_counter import register_flop_formula
+
+from ops.moe import experts_aligned, experts_aligned_w4a16, moe_flops
+from ops.quant import fp8_linear_torch
+
+
+@functools.cache
+def triton_available() -> bool:
+    """Whether triton imports (the `gpu` extra); checked once."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _use_triton(x: Tensor) -> bool:
+    return x.device.type == "cuda" and triton_available()
+
+
+def _check_moe(x: Tensor, idx: Tensor, w: Tensor, w13_shape: tuple[int, ...], h13: int,
+               w2_shape: tuple[int, ...]) -> None:
+    """Shape checks shared by the fake kernels; `h13` is H as `w13` stores it (packed: H/8)."""
+    torch._check(x.dim() == 2 and idx.dim() == 2, lambda: "x must be [T, H], idx [T, k]")
+    torch._check(tuple(w.shape) == tuple(idx.shape) and idx.shape[0] == x.shape[0],
+                 lambda: f"idx {tuple(idx.shape)} and w {tuple(w.shape)} must be [T, k]")
+    torch._check(w13_shape[1] % 2 == 0 and w13_shape[2] == h13,
+                 lambda: f"w13 {w13_shape} must be [E, 2I, H] (H={x.shape[1]}, stored {h13})")
+    torch._check(w2_shape[0] == w13_shape[0] and w2_shape[1] == x.shape[1],
+                 lambda: f"w2 {w2_shape} must be [E={w13_shape[0]}, H={x.shape[1]}, I]")
+
+
+@torch.library.custom_op("kimi::moe_experts", mutates_args=())
+def moe_experts(x: Tensor, idx: Tensor, w: Tensor, w13: Tensor, w2: Tensor,
+                block: int = 16) -> Tensor:
+    """Routed expert bank, float weights: `x [T, H]`, `idx/w [T, k]`, `w13 [E, 2I, H]`,
+    `w2 [E, H, I]` -> `[T, H]`."""
+    if _use_triton(x):
+        from ops.moe_triton import moe_experts_triton
+
+        return moe_experts_triton(x, idx, w, w13, w2, block)
+    return experts_aligned(x, idx, w, w13, w2, block)
+
+
+@moe_experts.register_fake
+def _moe_experts_fake(x: Tensor, idx: Tensor, w: Tensor, w13: Tensor, w2: Tensor,
+                      block: int = 16) -> Tensor:
+    _check_moe(x, idx, w, tuple(w13.shape), x.shape[1], tuple(w2.shape))
+    return x.new_empty(x.shape)
+
+
+@torch.library.custom_op("kimi::moe_experts_w4a16", mutates_args=())
+def moe_experts_w4a16(x: Tensor, idx: Tensor, w: Tensor, w13_packed: Tensor,
+                      w13_scale: Tensor, w2_packed: Tensor, w2_scale: Tensor,
+                      group_size: int = 32, block: int = 16) -> Tensor:
+    """Routed expert bank over INT4 pack-quantized weights: `w13_packed [E, 2I, H/8]` int32,
+    `w13_scale [E, 2I, H/group]`, `w2_packed [E, H, I/8]`, `w2_scale [E, H, I/group]`."""
+    if _use_triton(x):
+        from ops.moe_triton import moe_experts_w4a16_triton
+
+        return moe_experts_w4a16_triton(x, idx, w, w13_packed, w13_scale, w2_packed, w2_scale,
+                                        group_size, block)
+    return experts_aligned_w4a16(x, idx, w, w13_packed, w13_scale, w2_packed, w2_scale,
+                                 group_size, block)
+
+
+@moe_experts_w4a16.register_fake
+def _moe_experts_w4a16_fake(x: Tensor, idx: Tensor, w: Tensor, w13_packed: Tensor,
+                            w13_scale: Tensor, w2_packed: Tensor, w2_scale: Tensor,
+                            group_size: int = 32, block: int = 16) -> Tensor:
+    torch._check(w13_packed.dtype == torch.int32 and w2_packed.dtype == torch.int32,
+                 lambda: "packed expert weights must be int32")
+    _check_moe(x, idx, w, tuple(w13_packed.shape), -(-x.shape[1] // 8), tuple(w2_packed.shape))
+    return x.new_empty(x.shape)
+
+
+@torch.library.custom_op("kimi::fp8_linear", mutates_args=())
+def fp8_linear(x: Tensor, w: Tensor, scale_inv: Tensor, block_n: int = 128,
+               block_k: int = 128) -> Tensor:
+    """`x [..., K]` times the FP8 block weight `w [N, K]` -> `[..., N]` in x's dtype."""
+    if _use_triton(x):
+        from ops.quant_triton import fp8_linear_triton
+
+        return fp8_linear_triton(x, w, scale_inv, (block_n, block_k))
+    return fp8_linear_torch(x, w, scale_inv, (block_n, block_k))
+
+
+@fp8_linear.register_fake
+def _fp8_linear_fake(x: Tensor, w: Tensor, scale_inv: Tensor, block_n: int = 128,
+                     block_k: int = 128) -> Tensor:
+    n, k = w.shape
+    torch._check(x.shape[-1] == k, lambda: f"x's last dim {x.shape[-1]} != weight's K {k}")
+    torch._check(tuple(scale_inv.shape) == (-(-n // block_n), -(-k // block_k)),
+                 lambda: f"scale_inv {tuple(scale_inv.shape)} does not match weight {(n, k)}")
+    return x.new_empty(*x.shape[:-1], n)
+
+
+@register_flop_formula(torch.ops.kimi.moe_experts)
+def _moe_experts_flop(x_shape, idx_shape, w_shape, w13_shape, w2_shape, block: int = 16, *,
+                      out_shape=None, **kwargs) -> int:
+    (T, k), (E, i2, H) = idx_shape, w13_shape
+    return moe_flops(T, k, E, H, i2 // 2, block)[0]
+
+
+@register_flop_formula(torch.ops.kimi.moe_experts_w4a16)
+def _moe_experts_w4a16_flop(x_shape, idx_shape, w_shape, w13_packed_shape, w13_scale_shape,
+                            w2_packed_shape, w2_scale_shape, group_size: int = 32,
+                            block: int = 16, *, out_shape=None, **kwargs) -> int:
+    (T, k), (E, i2) = idx_shape, w13_packed_shape[:2]
+    return moe_flops(T, k, E, x_shape[1], i2 // 2, block)[0]
+
+
+@register_flop_formula(torch.ops.kimi.fp8_linear)
+def _fp8_linear_flop(x_shape, w_shape, scale_inv_shape, block_n: int = 128,
+                     block_k: int = 128, *, out_shape=None, **kwargs) -> int:
+    return 2 * math.prod(x_shape[:-1]) * w_shape[0] * w_shape[1]

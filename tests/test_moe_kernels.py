@@ -1,0 +1,414 @@
+"""Static-shape expert alignment, the expert bank over it (torch twin and Triton kernels, float
+and INT4 W4A16 weights), and the `kimi::moe_experts*` custom ops.
+
+Triton kernels run on CPU tensors under Triton's interpreter (`ops.quant_triton.kernel_for`
+picks it per call; no `TRITON_INTERPRET` setup needed) and compiled on CUDA when present.
+Tolerances: integer paths (alignment, INT4 unpacking) exact; the torch twin against
+`experts_dense` / `experts_sparse` at the fp32 defaults of `assert_close`; the Triton kernels
+against the twin (same rounding points, other summation order) at the fp32 defaults for fp32,
+and `rtol = 1e-2` with `atol = 1e-2 * max|ref|` for bf16 / fp16 (they agree bit for bit on
+almost every element; that bound allows a one-ulp bf16 flip of intermediate values).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils.flop_counter import FlopCounterMode
+
+import ops.custom_ops  # noqa: F401  (registers torch.ops.kimi.*)
+from ops.moe import (
+    experts_aligned,
+    experts_aligned_w4a16,
+    experts_dense,
+    experts_sparse,
+    moe_align_block_size,
+    moe_align_capacity,
+    moe_bytes,
+    moe_flops,
+    route_noaux_tc,
+)
+from ops.quant import dequant_int4, pack_int4
+
+try:
+    from ops.moe_triton import moe_experts_triton, moe_experts_w4a16_triton
+except ImportError:  # triton is the optional `gpu` extra
+    moe_experts_triton = moe_experts_w4a16_triton = None
+
+needs_triton = pytest.mark.skipif(moe_experts_triton is None, reason="needs triton")
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
+
+
+def _align_loop(ids: torch.Tensor, E: int, block: int) -> tuple[list[int], list[int]]:
+    """The alignment spelled out: each expert's pairs in flat order, padded with `N`."""
+    flat = ids.reshape(-1).tolist()
+    rows: list[int] = []
+    experts: list[int] = []
+    for e in range(E):
+        mine = [i for i, v in enumerate(flat) if v == e]
+        if mine:
+            run = mine + [len(flat)] * (-len(mine) % block)
+            rows += run
+            experts += [e] * (len(run) // block)
+    return rows, experts
+
+
+def _routing(kind: str, T: int, k: int, E: int, g: torch.Generator) -> torch.Tensor:
+    if kind == "random":
+        return torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
+    if kind == "one_expert":  # every pair to the last expert (k > 1: repeated ids in a row)
+        return torch.full((T, k), E - 1, dtype=torch.int64)
+    if kind == "empty_experts":  # only experts 1 and 3 of E used
+        return torch.randint(0, 2, (T, k), generator=g) * 2 + 1
+    if kind == "ties":  # all router scores equal: topk breaks the tie, weights are equal
+        return route_noaux_tc(torch.zeros(T, E), torch.zeros(E), k, 1, 1, True, 1.0)[0]
+    if kind == "duplicates":
+        return torch.randint(0, 2, (T, k), generator=g)
+    raise ValueError(kind)
+
+
+KINDS = ["random", "one_expert", "empty_experts", "ties", "duplicates"]
+
+
+@pytest.mark.parametrize("kind", KINDS + ["dropped"])
+@pytest.mark.parametrize(("T", "k", "E", "block"), [(1, 1, 4, 16), (1, 8, 16, 16),
+                                                    (7, 2, 5, 4), (13, 3, 6, 32),
+                                                    (6, 2, 4, 1), (40, 4, 8, 64)])
+def test_align_matches_loop(kind: str, T: int, k: int, E: int, block: int) -> None:
+    g = torch.Generator().manual_seed(T * 100 + k)
+    if kind == "dropped":  # ids outside [0, E): no row
+        ids = torch.randint(-1, E + 1, (T, k), generator=g)
+    else:
+        ids = _routing(kind, T, k, E, g)
+    sorted_ids, block_expert, num_padded = moe_align_block_size(ids, E, block)
+    cap = moe_align_capacity(T * k, E, block)
+    assert cap % block == 0 and cap >= T * k
+    assert sorted_ids.shape == (cap,) and block_expert.shape == (cap // block,)
+    assert num_padded.shape == (1,)
+    assert sorted_ids.dtype == block_expert.dtype == num_padded.dtype == torch.int64
+    rows, experts = _align_loop(ids, E, block)
+    n = len(rows)
+    assert num_padded.item() == n
+    assert sorted_ids[:n].tolist() == rows
+    assert torch.all(sorted_ids[n:] == T * k)
+    assert block_expert.tolist() == experts + [-1] * (cap // block - len(experts))
+
+
+def test_align_capacity_bounds() -> None:
+    assert moe_align_capacity(8, 384, 16) == 128  # decode: 8 experts at most, not 384
+    assert moe_align_capacity(4096, 384, 16) == 4096 + 384 * 15
+    assert moe_align_capacity(0, 8, 16) == 0
+    with pytest.raises(ValueError):
+        moe_align_capacity(8, 8, 12)
+    # The bound is reached: every expert holds exactly one pair.
+    ids = torch.arange(8).view(4, 2)
+    assert moe_align_block_size(ids, 8, 16)[2].item() == moe_align_capacity(8, 8, 16)
+
+
+def test_align_and_twins_under_fake_tensors() -> None:
+    """FakeTensorMode raises on host syncs and data-dependent shapes (bincount, nonzero); the
+    meta device runs the twins at no cost."""
+    T, k, E, H, inter = 5, 3, 6, 64, 32
+    with FakeTensorMode():
+        ids = torch.randint(0, E, (T, k))
+        s, b, n = moe_align_block_size(ids, E, 16)
+        cap = moe_align_capacity(T * k, E, 16)
+        assert s.shape == (cap,) and b.shape == (cap // 16,) and n.shape == (1,)
+        x, w = torch.randn(T, H, dtype=torch.bfloat16), torch.rand(T, k)
+        y = experts_aligned(x, ids, w, torch.randn(E, 2 * inter, H, dtype=torch.bfloat16),
+                            torch.randn(E, H, inter, dtype=torch.bfloat16))
+        assert y.shape == (T, H) and y.dtype == torch.bfloat16
+        y = experts_aligned_w4a16(
+            x, ids, w, torch.zeros(E, 2 * inter, H // 8, dtype=torch.int32),
+            torch.ones(E, 2 * inter, H // 32, dtype=torch.bfloat16),
+            torch.zeros(E, H, inter // 8, dtype=torch.int32),
+            torch.ones(E, H, inter // 32, dtype=torch.bfloat16), chunk_blocks=2)
+        assert y.shape == (T, H) and y.dtype == torch.bfloat16
+    meta = {"device": "meta"}
+    y = experts_aligned(torch.empty(T, H, **meta), torch.empty(T, k, dtype=torch.int64, **meta),
+                        torch.empty(T, k, **meta), torch.empty(E, 2 * inter, H, **meta),
+                        torch.empty(E, H, inter, **meta))
+    assert y.device.type == "meta" and y.shape == (T, H)
+
+
+def _bank(E: int, inter: int, H: int, g: torch.Generator,
+          dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    w13 = torch.randn(E, 2 * inter, H, generator=g) / H**0.5
+    w2 = torch.randn(E, H, inter, generator=g) / inter**0.5
+    return w13.to(dtype), w2.to(dtype)
+
+
+def _pack_bank(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    parts = [pack_int4(w[e].float()) for e in range(w.shape[0])]
+    return torch.stack([p[0] for p in parts]), torch.stack([p[1] for p in parts])
+
+
+def _dequant_bank(packed: torch.Tensor, scale: torch.Tensor, cols: int,
+                  dtype: torch.dtype) -> torch.Tensor:
+    return torch.stack([dequant_int4(packed[e], scale[e], (packed.shape[1], cols), 32, dtype)
+                        for e in range(packed.shape[0])])
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize(("T", "k", "E", "block"), [(1, 1, 4, 16), (1, 4, 8, 16),
+                                                    (9, 2, 5, 16), (17, 3, 6, 32)])
+def test_experts_aligned_matches_dense_and_sparse(kind: str, T: int, k: int, E: int,
+                                                  block: int) -> None:
+    g = torch.Generator().manual_seed(7 * T + k)
+    H, inter = 48, 24
+    idx = _routing(kind, T, k, E, g)
+    x = torch.randn(T, H, generator=g)
+    x[T // 2] = 0.0  # a padding-like row of zeros
+    w = torch.rand(T, k, generator=g)
+    w13, w2 = _bank(E, inter, H, g)
+    got = experts_aligned(x, idx, w, w13, w2, block)
+    torch.testing.assert_close(got, experts_dense(x, idx, w, w13, w2))
+    torch.testing.assert_close(got, experts_sparse(x, idx, w, w13, w2))
+    assert torch.equal(got[T // 2], torch.zeros(H))
+    # Chunking bounds memory only: one block at a time gives the same bits.
+    assert torch.equal(experts_aligned(x, idx, w, w13, w2, block, chunk_blocks=1), got)
+
+
+def test_experts_aligned_drops_out_of_range_ids() -> None:
+    g = torch.Generator().manual_seed(3)
+    T, k, E, H, inter = 6, 2, 4, 32, 16
+    idx = torch.randint(0, E, (T, k), generator=g)
+    idx[1, 0], idx[4, 1], idx[5] = -1, E, -1  # token 5 routed nowhere at all
+    x, w = torch.randn(T, H, generator=g), torch.rand(T, k, generator=g)
+    w13, w2 = _bank(E, inter, H, g)
+    ok = (idx >= 0) & (idx < E)
+    want = experts_dense(x, idx.clamp(0, E - 1), w * ok, w13, w2)
+    got = experts_aligned(x, idx, w, w13, w2, 16)
+    torch.testing.assert_close(got, want)
+    assert torch.equal(got[5], torch.zeros(H))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_w4a16_twin_is_the_float_twin_on_the_dequantized_bank(dtype: torch.dtype) -> None:
+    g = torch.Generator().manual_seed(11)
+    T, k, E, H, inter = 7, 3, 5, 96, 40  # inter = 40: a partial last group of the down projection
+    idx = _routing("random", T, k, E, g)
+    x, w = torch.randn(T, H, generator=g).to(dtype), torch.rand(T, k, generator=g)
+    w13, w2 = _bank(E, inter, H, g)
+    p13, s13 = _pack_bank(w13)
+    p2, s2 = _pack_bank(w2)
+    d13, d2 = _dequant_bank(p13, s13, H, dtype), _dequant_bank(p2, s2, inter, dtype)
+    got = experts_aligned_w4a16(x, idx, w, p13, s13, p2, s2, 32, 16)
+    # Exact: per-chunk dequantization is elementwise, then the same ops on the same shapes.
+    assert torch.equal(got, experts_aligned(x, idx, w, d13, d2, 16))
+    want = experts_dense(x, idx, w, d13, d2)
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, want)  # only the summation order differs
+    else:  # experts_dense rounds g, u, silu and the products to bf16 at every step
+        torch.testing.assert_close(got.float(), want.float(), rtol=2e-2,
+                                   atol=2e-2 * want.float().abs().max().item())
+
+
+def test_w4a16_twin_real_size_full_expert() -> None:
+    """Kimi's hidden 7168 and full expert intermediate 2048 (group 32), two experts, fp32
+    activations, against dequantize-everything-then-`experts_dense`."""
+    g = torch.Generator().manual_seed(5)
+    T, E, H, inter = 2, 2, 7168, 2048
+    p13 = torch.randint(-2**31, 2**31, (E, 2 * inter, H // 8), generator=g, dtype=torch.int64)
+    p2 = torch.randint(-2**31, 2**31, (E, H, inter // 8), generator=g, dtype=torch.int64)
+    p13, p2 = p13.to(torch.int32), p2.to(torch.int32)
+    s13 = (torch.rand(E, 2 * inter, H // 32, generator=g) * 2e-3 + 1e-4).to(torch.bfloat16)
+    s2 = (torch.rand(E, H, inter // 32, generator=g) * 2e-3 + 1e-4).to(torch.bfloat16)
+    x = torch.randn(T, H, generator=g)
+    idx = torch.tensor([[1, 0], [1, 1]])  # a repeated id in row 1
+    w = torch.tensor([[0.5, 0.5], [0.25, 0.75]])
+    got = experts_aligned_w4a16(x, idx, w, p13, s13, p2, s2, 32, 16)
+    want = experts_dense(x, idx, w, _dequant_bank(p13, s13, H, torch.float32),
+                         _dequant_bank(p2, s2, inter, torch.float32))
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+
+
+def _tol(ref: torch.Tensor) -> dict[str, float]:
+    if ref.dtype == torch.float32:
+        return {}
+    return {"rtol": 1e-2, "atol": 1e-2 * max(ref.float().abs().max().item(), 1e-6)}
+
+
+@needs_triton
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(("kind", "T", "k", "E", "block"), [
+    ("random", 5, 2, 4, 16), ("random", 1, 8, 16, 16), ("one_expert", 9, 2, 3, 32),
+    ("empty_experts", 6, 2, 6, 16), ("ties", 4, 2, 4, 16), ("duplicates", 3, 3, 2, 64),
+])
+def test_triton_experts_match_twin(device: str, dtype: torch.dtype, kind: str, T: int, k: int,
+                                   E: int, block: int) -> None:
+    g = torch.Generator().manual_seed(T * 31 + E)
+    H, inter = 80, 48  # not multiples of the tiles: masked edges in every dimension
+    idx = _routing(kind, T, k, E, g)
+    x = torch.randn(T, H, generator=g)
+    x[0] = 0.0
+    w = torch.rand(T, k, generator=g)
+    w13, w2 = _bank(E, inter, H, g)
+    p13, s13 = _pack_bank(w13)
+    p2, s2 = _pack_bank(w2)
+    x, w13, w2 = x.to(dtype), w13.to(dtype), w2.to(dtype)
+    ref = experts_aligned(x, idx, w, w13, w2, block)
+    dev = [t.to(device) for t in (x, idx, w, w13, w2)]
+    got = moe_experts_triton(*dev, block).cpu()
+    assert got.dtype == dtype and got.shape == (T, H)
+    torch.testing.assert_close(got, ref, **_tol(ref))
+    assert torch.equal(got[0], torch.zeros(H, dtype=dtype))
+    # INT4: the twin dequantizes per chunk; the kernel per tile. In-kernel unpacking is exact:
+    # the packed kernel gives the float kernel's bits on the dequantized bank.
+    ref4 = experts_aligned_w4a16(x, idx, w, p13, s13, p2, s2, 32, block)
+    got4 = moe_experts_w4a16_triton(dev[0], dev[1], dev[2], p13.to(device), s13.to(device),
+                                    p2.to(device), s2.to(device), 32, block).cpu()
+    torch.testing.assert_close(got4, ref4, **_tol(ref4))
+    d13, d2 = _dequant_bank(p13, s13, H, dtype), _dequant_bank(p2, s2, inter, dtype)
+    plain = moe_experts_triton(dev[0], dev[1], dev[2], d13.to(device), d2.to(device), block)
+    assert torch.equal(got4, plain.cpu())
+
+
+@needs_triton
+@pytest.mark.parametrize("device", DEVICES)
+def test_triton_experts_dropped_pairs_and_fp32_truth(device: str) -> None:
+    g = torch.Generator().manual_seed(9)
+    T, k, E, H, inter = 6, 2, 4, 64, 32
+    idx = torch.randint(0, E, (T, k), generator=g)
+    idx[2, 1], idx[3] = -1, E
+    x, w = torch.randn(T, H, generator=g), torch.rand(T, k, generator=g)
+    w13, w2 = _bank(E, inter, H, g)
+    ok = (idx >= 0) & (idx < E)
+    want = experts_dense(x, idx.clamp(0, E - 1), w * ok, w13, w2)
+    got = moe_experts_triton(*(t.to(device) for t in (x, idx, w, w13, w2)), 16).cpu()
+    torch.testing.assert_close(got, want)
+    assert torch.equal(got[3], torch.zeros(H))
+
+
+@needs_triton
+@pytest.mark.parametrize("device", DEVICES)
+def test_triton_experts_real_size_slice(device: str) -> None:
+    """Kimi's hidden 7168 with the TP-8 shard of the expert intermediate (256), group 32, bf16
+    activations: four experts (two empty), a repeated expert, a dropped pair, tied weights and
+    a zero row."""
+    g = torch.Generator().manual_seed(1)
+    T, E, H, inter = 3, 4, 7168, 256
+    idx = torch.tensor([[2, 0], [0, 2], [2, -1]])
+    w = torch.tensor([[0.5, 0.5], [0.5, 0.5], [0.7, 0.3]])
+    x = torch.randn(T, H, generator=g).to(torch.bfloat16)
+    x[1] = 0.0
+    p13 = torch.randint(-2**31, 2**31, (E, 2 * inter, H // 8), generator=g, dtype=torch.int64)
+    p2 = torch.randint(-2**31, 2**31, (E, H, inter // 8), generator=g, dtype=torch.int64)
+    p13, p2 = p13.to(torch.int32), p2.to(torch.int32)
+    s13 = (torch.rand(E, 2 * inter, H // 32, generator=g) * 4e-3 + 1e-4).to(torch.bfloat16)
+    s2 = (torch.rand(E, H, inter // 32, generator=g) * 4e-2 + 1e-3).to(torch.bfloat16)
+    # The interpreter pays per tile, so the CPU run takes the largest tiles; a GPU the defaults.
+    tiles = {"block_n": 128, "block_k": 256} if device == "cpu" else {}
+    ref = experts_aligned_w4a16(x, idx, w, p13, s13, p2, s2, 32, 16)
+    got = moe_experts_w4a16_triton(*(t.to(device) for t in (x, idx, w, p13, s13, p2, s2)),
+                                   32, 16, **tiles).cpu()
+    torch.testing.assert_close(got, ref, **_tol(ref))
+    assert torch.equal(got[1], torch.zeros(H, dtype=torch.bfloat16))
+    assert ref.float().abs().max() > 0.1  # the scales give outputs of order one
+    d13 = _dequant_bank(p13, s13, H, torch.bfloat16)
+    d2 = _dequant_bank(p2, s2, inter, torch.bfloat16)
+    ref = experts_aligned(x, idx, w, d13, d2, 16)
+    got = moe_experts_triton(*(t.to(device) for t in (x, idx, w, d13, d2)), 16, **tiles).cpu()
+    torch.testing.assert_close(got, ref, **_tol(ref))
+
+
+def _op_args(T: int = 5, k: int = 2, E: int = 4, H: int = 64, inter: int = 32,
+             dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, ...]:
+    g = torch.Generator().manual_seed(2)
+    idx = _routing("random", T, k, E, g)
+    w13, w2 = _bank(E, inter, H, g)
+    return torch.randn(T, H, generator=g).to(dtype), idx, torch.rand(T, k, generator=g), w13, w2
+
+
+def test_custom_ops_cpu_run_the_twins() -> None:
+    x, idx, w, w13, w2 = _op_args()
+    got = torch.ops.kimi.moe_experts(x, idx, w, w13, w2, 32)
+    assert torch.equal(got, experts_aligned(x, idx, w, w13, w2, 32))
+    p13, s13 = _pack_bank(w13)
+    p2, s2 = _pack_bank(w2)
+    got = torch.ops.kimi.moe_experts_w4a16(x, idx, w, p13, s13, p2, s2)
+    assert torch.equal(got, experts_aligned_w4a16(x, idx, w, p13, s13, p2, s2, 32, 16))
+
+
+def test_custom_ops_opcheck() -> None:
+    x, idx, w, w13, w2 = _op_args()
+    p13, s13 = _pack_bank(w13)
+    p2, s2 = _pack_bank(w2)
+    torch.library.opcheck(torch.ops.kimi.moe_experts.default, (x, idx, w, w13, w2, 16))
+    torch.library.opcheck(torch.ops.kimi.moe_experts_w4a16.default,
+                          (x, idx, w, p13, s13, p2, s2, 32, 16))
+
+
+def _meta_args(T: int, k: int, E: int, H: int, inter: int, device: str = "meta"):
+    def t(*shape: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+        return torch.empty(*shape, dtype=dtype, device=device)
+
+    return (t(T, H), t(T, k, dtype=torch.int64), t(T, k, dtype=torch.float32),
+            t(E, 2 * inter, H // 8, dtype=torch.int32), t(E, 2 * inter, H // 32),
+            t(E, H, inter // 8, dtype=torch.int32), t(E, H, inter // 32))
+
+
+def test_custom_ops_fake_meta_and_flops() -> None:
+    """Kimi's real bank (384 experts of 7168 x 2048, top-8) on the meta device costs nothing."""
+    T, k, E, H, inter = 16, 8, 384, 7168, 2048
+    args = _meta_args(T, k, E, H, inter)
+    with FlopCounterMode(display=False) as fc:
+        y = torch.ops.kimi.moe_experts_w4a16(*args)
+    assert y.device.type == "meta" and y.shape == (T, H) and y.dtype == torch.bfloat16
+    useful, executed = moe_flops(T, k, E, H, inter, 16)
+    assert fc.get_total_flops() == useful == 2 * T * k * 3 * inter * H
+    assert executed == moe_align_capacity(T * k, E, 16) * 6 * inter * H > useful
+    w13 = torch.empty(E, 2 * inter, H, dtype=torch.bfloat16, device="meta")
+    w2 = torch.empty(E, H, inter, dtype=torch.bfloat16, device="meta")
+    with FlopCounterMode(display=False) as fc:
+        torch.ops.kimi.moe_experts(*args[:3], w13, w2, block=64)
+    assert fc.get_total_flops() == useful
+    with FakeTensorMode():
+        fake = _meta_args(4, 2, 8, 256, 64, device="cpu")
+        y = torch.ops.kimi.moe_experts_w4a16(*fake, 32, 32)
+        assert y.shape == (4, 256) and y.dtype == torch.bfloat16
+        with pytest.raises(RuntimeError, match="w2"):
+            torch.ops.kimi.moe_experts_w4a16(*fake[:5], fake[5][:, :128], fake[6])
+
+
+def test_moe_bytes() -> None:
+    T, k, E, H, inter = 2, 8, 384, 7168, 256
+    b = moe_bytes(T, k, E, H, inter, weights="int4", block=16)
+    assert b["experts"] == 16  # min(E, T*k)
+    per = 2 * inter * H // 2 + H * inter // 2 + 2 * (2 * inter * H // 32 + H * inter // 32)
+    assert b["weights"] == 16 * per
+    assert b["activations"] == 2 * T * H * 2 + T * k * 12
+    assert b["scratch"] == 2 * moe_align_capacity(T * k, E, 16) * inter * 2 + 2 * T * k * H * 4
+    assert b["total"] == b["weights"] + b["activations"] + b["scratch"]
+    assert moe_bytes(1, 8, 4, H, inter, weights="bf16")["weights"] == 4 * 3 * inter * H * 2
+
+
+@needs_triton
+@pytest.mark.cuda
+def test_cuda_graph_replays_new_routing_without_syncs() -> None:
+    T, k, E, H, inter = 8, 4, 16, 256, 128
+    g = torch.Generator().manual_seed(4)
+    w13, w2 = _bank(E, inter, H, g, torch.bfloat16)
+    p13, s13 = (t.cuda() for t in _pack_bank(w13.float()))
+    p2, s2 = (t.cuda() for t in _pack_bank(w2.float()))
+    x = torch.randn(T, H, generator=g).to(torch.bfloat16).cuda()
+    idx = _routing("random", T, k, E, g).cuda()
+    w = torch.rand(T, k, generator=g).cuda()
+    args = (x, idx, w, p13, s13, p2, s2)
+    torch.ops.kimi.moe_experts_w4a16(*args)  # compile outside the checks
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        torch.ops.kimi.moe_experts_w4a16(*args)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = torch.ops.kimi.moe_experts_w4a16(*args)
+    for kind in ("one_expert", "empty_experts", "random"):
+        idx.copy_(_routing(kind, T, k, E, g))
+        graph.replay()
+        want = experts_aligned_w4a16(*(t.cpu() for t in args), 32, 16)
+        torch.testing.assert_close(out.cpu(), want, **_tol(want))
