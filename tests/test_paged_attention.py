@@ -1,0 +1,436 @@
+"""Paged attention: the Triton kernels (`ops.attention_triton`) against their torch twins
+(`ops.paged`), and the twins against the existing gather path (`ops.attention.prefix_attention`
+over `engine.spec.slot_of` slots) and the drafter's attention (`DraftAttention.forward`).
+
+Without CUDA the kernels run under Triton's interpreter on CPU tensors: this module sets
+`TRITON_INTERPRET=1` (only when CUDA is unavailable, only if unset) before importing triton. The
+kernels themselves do not depend on it (on CPU tensors they always take the interpreter, and
+they call no `@jit` function of `triton.language.standard`, which `import triton` decorates),
+so the order in which test modules import triton does not matter; a subprocess test proves it.
+With CUDA the `cuda` cases run the compiled kernels.
+
+Tolerances: fp32 caches `rtol=1e-5, atol=2e-5` (different summation order only); bf16 caches
+(bf16 dot inputs and bf16 probabilities in the kernel, fp32 math in the twin) `rtol=atol=1e-2`.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from engine.models.dflash import DraftAttention, DraftConfig  # noqa: E402
+from engine.spec import slot_of  # noqa: E402
+from ops import paged  # noqa: E402
+from ops.attention import prefix_attention  # noqa: E402
+from ops.rope import apply_rope_half, rope_cos_sin, rope_frequencies  # noqa: E402
+from tests.fakeguard import run_on_fake  # noqa: E402
+
+try:
+    import triton  # noqa: F401
+
+    from ops import attention_triton as at
+except ImportError:  # triton is in the optional `gpu` extra
+    at = None
+
+ROOT = Path(__file__).resolve().parents[1]
+needs_triton = pytest.mark.skipif(at is None, reason="triton is not installed")
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
+FP32 = dict(rtol=1e-5, atol=2e-5)
+BF16 = dict(rtol=1e-2, atol=1e-2)
+# ragged rows: padding (0), mid-page, exactly the full table, exactly at a page boundary,
+# one past a boundary, a single token
+RAGGED = [0, 5, 24, 8, 9, 1]
+PS, W = 4, 6
+
+
+def _paged_case(ctx: list[int], width: int, page_size: int, table_width: int,
+                dtype: torch.dtype = torch.float32, seed: int = 0,
+                index_dtype: torch.dtype = torch.int64):
+    """A cache `[num_slots, width]` with shuffled, non-contiguous pages per row (dummy page 0
+    past each row's live pages), the page table `[bs, W]` and `ctx_len [bs]`."""
+    g = torch.Generator().manual_seed(seed)
+    bs = len(ctx)
+    num_pages = 1 + bs * table_width + 3
+    cache = torch.randn(num_pages * page_size, width, generator=g).to(dtype)
+    perm = (torch.randperm(num_pages - 1, generator=g) + 1).tolist()
+    table = torch.zeros(bs, table_width, dtype=torch.int64)
+    for b, n in enumerate(ctx):
+        live = paged.live_width(n, page_size)
+        table[b, :live] = torch.tensor(perm[:live], dtype=torch.int64)
+        perm = perm[live:]
+    return cache, table.to(index_dtype), torch.tensor(ctx, dtype=index_dtype)
+
+
+def _mla_queries(bs: int, nq: int, nh: int, R: int, P: int, dtype: torch.dtype, seed: int = 1):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(bs, nq, nh, R, generator=g).to(dtype),
+            torch.randn(bs, nq, nh, P, generator=g).to(dtype))
+
+
+def _to(device: str, *ts: torch.Tensor) -> list[torch.Tensor]:
+    return [t.to(device) for t in ts]
+
+
+def _poisoned(cache: torch.Tensor, table: torch.Tensor, ctx: torch.Tensor, page_size: int
+              ) -> torch.Tensor:
+    """`cache` with NaN in every slot no row may read (the dummy page, tails of partial
+    pages, unused pages)."""
+    out = torch.full_like(cache, float("nan"))
+    slots = paged.table_slots(table, page_size)
+    for b in range(table.shape[0]):
+        s = slots[b, : int(ctx[b])]
+        out[s] = cache[s]
+    return out
+
+
+# --- the twins against the existing paths ----------------------------------------------------
+
+
+@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("nq", [1, 2, 65])
+def test_mla_twin_equals_gather_path(nq, index_dtype):
+    R, P, H = 64, 16, 4
+    cache, table, ctx = _paged_case(RAGGED, R + P, PS, W, index_dtype=index_dtype)
+    q_lat, q_pe = _mla_queries(len(RAGGED), nq, H, R, P, torch.float32)
+    o, lse = paged.mla_prefix_attention(q_lat, q_pe, cache, table, ctx, PS, 0.1)
+    pos = torch.arange(W * PS)[None, :].expand(len(RAGGED), -1)
+    slots = slot_of(table.long(), pos, PS)
+    o_ref, lse_ref = prefix_attention(q_lat, q_pe, cache, slots, ctx.long(), R, 0.1)
+    torch.testing.assert_close(o, o_ref, rtol=0, atol=0)
+    torch.testing.assert_close(lse, lse_ref, rtol=0, atol=0)
+    assert (o[0] == 0).all() and (lse[0] == float("-inf")).all()
+
+
+def _draft_attention_module(nh: int, kvh: int, hd: int, seed: int = 3) -> DraftAttention:
+    c = DraftConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=nh,
+                    num_key_value_heads=kvh, head_dim=hd, intermediate_size=32, block_size=4,
+                    target_layer_ids=(0,), mask_token_id=0)
+    torch.manual_seed(seed)
+    attn = DraftAttention(c)
+    for p in attn.parameters():
+        p.data.normal_(0, 0.3)
+    return attn.eval()
+
+
+@pytest.mark.parametrize("context", ["twin", pytest.param("kernel", marks=needs_triton)])
+@pytest.mark.parametrize("rows", [None, (1, 4)], ids=["all_rows", "rows_1_4"])
+def test_draft_paged_plus_block_equals_drafter_attention(context, rows):
+    """Paged context pass + in-block pass merged by LSE == `DraftAttention.forward`
+    (scaled_dot_product_attention over `[ctx ; block]` with the context validity mask)."""
+    nh, kvh, hd, B = 4, 2, 16, 4
+    attn = _draft_attention_module(nh, kvh, hd)
+    c = attn.c
+    cache, table, ctx = _paged_case(RAGGED, c.kv_dim, PS, W, seed=5)
+    bs = len(RAGGED)
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(bs, B, c.hidden_size, generator=g)
+    inv_freq, amp = rope_frequencies(hd, 10000.0, None, 4096)
+    cos, sin = rope_cos_sin(ctx[:, None] + torch.arange(B), inv_freq.float(), amp)
+    slots = paged.table_slots(table, PS)
+    ctx_valid = torch.arange(W * PS)[None, :] < ctx[:, None]
+    with torch.no_grad():
+        ref = attn(x, cos, sin, cache[slots], ctx_valid, rows)
+        a, b = rows or (0, B)
+        q = attn.q_norm(attn.q_proj(x[:, a:b]).view(bs, b - a, nh, hd))
+        q = apply_rope_half(q, cos[:, a:b], sin[:, a:b])
+        fn = paged.draft_context_attention if context == "twin" else at.draft_context_attention
+        o = paged.draft_attention(q, attn.kv(x, cos, sin), cache, table, ctx, PS, hd ** -0.5,
+                                  context=fn)
+        got = attn.o_proj(o.reshape(bs, b - a, nh * hd))
+    torch.testing.assert_close(got, ref, **FP32)
+
+
+def test_twins_run_on_fake_tensors():
+    """No host sync, no data-dependent shape: the twins run under `FakeTensorMode()`."""
+    R, P, H, nq = 64, 16, 4, 3
+    cache, table, ctx = _paged_case(RAGGED, R + P, PS, W)
+    q_lat, q_pe = _mla_queries(len(RAGGED), nq, H, R, P, torch.float32)
+    o, lse = run_on_fake(paged.mla_prefix_attention, q_lat, q_pe, cache, table, ctx, PS, 0.1)
+    assert o.shape == (len(RAGGED), nq, H, R) and lse.shape == (len(RAGGED), nq, H)
+    assert o.dtype == lse.dtype == torch.float32
+    nh, kvh, hd, M = 8, 2, 16, 4
+    dcache, dtable, dctx = _paged_case(RAGGED, 2 * kvh * hd, PS, W)
+    q = torch.randn(len(RAGGED), M, nh, hd)
+    block_kv = torch.randn(len(RAGGED), M, 2 * kvh * hd)
+    o, lse = run_on_fake(paged.draft_context_attention, q, dcache, dtable, dctx, PS, 0.25)
+    assert o.shape == q.shape and lse.shape == (len(RAGGED), M, nh)
+    o = run_on_fake(paged.draft_attention, q, block_kv, dcache, dtable, dctx, PS, 0.25)
+    assert o.shape == q.shape and o.dtype == torch.float32
+
+
+def test_live_width_and_splits():
+    assert [paged.live_width(n, 4) for n in (0, 1, 4, 5, 8)] == [0, 1, 1, 2, 2]
+    if at is None:
+        return
+    for bs, progs, cap, bn, want in [(1, 1, 4096, 32, None), (64, 8, 4096, 32, None),
+                                     (1, 1, 24, 64, None), (2, 3, 1000, 32, 5)]:
+        S, chunk = at.kv_splits(bs, progs, cap, bn, want)
+        assert chunk % bn == 0 and S * chunk >= cap and (S - 1) * chunk < cap
+        assert 1 <= S <= at.MAX_SPLITS
+    assert at.kv_splits(64, 8, 4096, 32)[0] == 1  # a big batch needs no split
+
+
+# --- the MLA prefix kernel --------------------------------------------------------------------
+
+
+@needs_triton
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("num_splits", [1, 3, None], ids=["one_split", "three_splits", "auto"])
+@pytest.mark.parametrize("nq", [1, 2, 65])
+def test_mla_kernel_equals_twin(device, nq, num_splits):
+    R, P, H = 64, 16, 4
+    index_dtype = torch.int32 if nq == 2 else torch.int64
+    cache, table, ctx = _paged_case(RAGGED, R + P, PS, W, index_dtype=index_dtype)
+    q_lat, q_pe = _mla_queries(len(RAGGED), nq, H, R, P, torch.float32)
+    q_lat, q_pe, cache, table, ctx = _to(device, q_lat, q_pe, cache, table, ctx)
+    o_ref, lse_ref = paged.mla_prefix_attention(q_lat, q_pe, cache, table, ctx, PS, 0.1)
+    o, lse = at.mla_prefix_attention(q_lat, q_pe, cache, table, ctx, PS, 0.1,
+                                     num_splits=num_splits, block_n=16)
+    torch.testing.assert_close(o, o_ref, **FP32)
+    torch.testing.assert_close(lse, lse_ref, **FP32)
+
+
+@needs_triton
+@pytest.mark.parametrize("device", DEVICES)
+def test_mla_kernel_odd_widths(device):
+    """Latent and rope widths that are not powers of two (nor multiples of 16), odd heads,
+    page size 3 (pages straddle every key tile), a row ending mid-page."""
+    R, P, H, nq, ps = 40, 8, 3, 5, 3
+    cache, table, ctx = _paged_case([7, 0, 12, 3], R + P, ps, 5, seed=4)
+    q_lat, q_pe = _mla_queries(4, nq, H, R, P, torch.float32)
+    q_lat, q_pe, cache, table, ctx = _to(device, q_lat, q_pe, cache, table, ctx)
+    o_ref, lse_ref = paged.mla_prefix_attention(q_lat, q_pe, cache, table, ctx, ps, 0.2)
+    o, lse = at.mla_prefix_attention(q_lat, q_pe, cache, table, ctx, ps, 0.2, num_splits=2,
+                                     block_n=16)
+    torch.testing.assert_close(o, o_ref, **FP32)
+    torch.testing.assert_close(lse, lse_ref, **FP32)
+
+
+@needs_triton
+@pytest.mark.parametrize("device", DEVICES)
+def test_mla_kernel_bf16_cache(device):
+    R, P, H, nq = 64, 16, 4, 2
+    cache, table, ctx = _paged_case(RAGGED, R + P, PS, W, dtype=torch.bfloat16)
+    q_lat, q_pe = _mla_queries(len(RAGGED), nq, H, R, P, torch.bfloat16)
+    q_lat, q_pe, cache, table, ctx = _to(device, q_lat, q_pe, cache, table, ctx)
+    o_ref, lse_ref = paged.mla_prefix_attention(q_lat, q_pe, cache, table, ctx, PS, 0.1)
+    o, lse = at.mla_prefix_attention(q_lat, q_pe, cache, table, ctx, PS, 0.1, num_splits=2)
+    torch.testing.assert_close(o, o_ref, **BF16)
+    torch.testing.assert_close(lse, lse_ref, **BF16)
+
+
+@needs_triton
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mla_kernel_at_kimi_rank_sizes(device, dtype):
+    """Kimi's per-rank MLA at TP 8: R 512, P 64, 8 heads; small batch, short contexts
+    (page size 16: one row ends at a page boundary, one just past it, one is padding)."""
+    R, P, H, nq, ps, width = 512, 64, 8, 3, 16, 3
+    cache, table, ctx = _paged_case([32, 0, 17], R + P, ps, width, dtype=dtype, seed=11)
+    q_lat, q_pe = _mla_queries(3, nq, H, R, P, dtype, seed=12)
+    scale = 192 ** -0.5
+    q_lat, q_pe, cache, table, ctx = _to(device, q_lat, q_pe, cache, table, ctx)
+    o_ref, lse_ref = paged.mla_prefix_attention(q_lat, q_pe, cache, table, ctx, ps, scale)
+    o, lse = at.mla_prefix_attention(q_lat, q_pe, cache, table, ctx, ps, scale)
+    tol = FP32 if dtype == torch.float32 else BF16
+    torch.testing.assert_close(o, o_ref, **tol)
+    torch.testing.assert_close(lse, lse_ref, **tol)
+
+
+class _Recorder:
+    """Stands in for `_kernel_for`: fills the per-split partial buffers with NaN before each
+    forward launch and keeps them, so a test can see which programs wrote."""
+
+    def __init__(self, real):
+        self.real, self.partials = real, []
+
+    def __call__(self, kernel, device):
+        launcher = self.real(kernel, device)
+        if kernel is not at._paged_attn_fwd:
+            return launcher
+        rec = self
+
+        class _Grid:
+            def __getitem__(self, grid):
+                def run(*args, **kwargs):
+                    args[5].fill_(float("nan"))
+                    args[6].fill_(float("nan"))
+                    launcher[grid](*args, **kwargs)
+                    rec.partials.append((args[5].clone(), args[6].clone(), args))
+                return run
+        return _Grid()
+
+
+@needs_triton
+def test_mla_kernel_reads_and_writes_only_live_pages(monkeypatch):
+    """Slots no row may read hold NaN and the result is still the twin's; split programs
+    past a row's length leave their partials untouched (they exit at once)."""
+    R, P, H, nq, lens = 64, 16, 4, 2, [*RAGGED, 40]
+    cache, table, ctx = _paged_case(lens, R + P, PS, 12)
+    q_lat, q_pe = _mla_queries(len(lens), nq, H, R, P, torch.float32)
+    o_ref, lse_ref = paged.mla_prefix_attention(q_lat, q_pe, cache, table, ctx, PS, 0.1)
+    rec = _Recorder(at._kernel_for)
+    monkeypatch.setattr(at, "_kernel_for", rec)
+    poisoned = _poisoned(cache, table, ctx, PS)
+    o, lse = at.mla_prefix_attention(q_lat, q_pe, poisoned, table, ctx, PS, 0.1,
+                                     num_splits=3, block_n=16)
+    torch.testing.assert_close(o, o_ref, **FP32)
+    torch.testing.assert_close(lse, lse_ref, **FP32)
+    (part, plse, args), = rec.partials
+    chunk = args[20]
+    assert plse.shape[0] == 3 and chunk == 16  # 48 positions in 16-token chunks
+    for b, n in enumerate(lens):
+        live = max(1, -(-n // chunk))
+        assert not plse[:live, b].isnan().any()
+        assert plse[live:, b].isnan().all() and part[live:, b].isnan().all()
+
+
+# --- the drafter's grouped-query context kernel -----------------------------------------------
+
+
+@needs_triton
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("nh,kvh,hd,M", [(8, 2, 16, 4), (4, 4, 24, 1), (6, 2, 16, 7)],
+                         ids=["gqa4", "mha_hd24", "gqa3_rows7"])
+@pytest.mark.parametrize("num_splits", [1, None], ids=["one_split", "auto"])
+def test_draft_kernel_equals_twin(device, nh, kvh, hd, M, num_splits):
+    cache, table, ctx = _paged_case(RAGGED, 2 * kvh * hd, PS, W, seed=7,
+                                    index_dtype=torch.int32 if M == 1 else torch.int64)
+    q = torch.randn(len(RAGGED), M, nh, hd, generator=torch.Generator().manual_seed(8))
+    q, cache, table, ctx = _to(device, q, cache, table, ctx)
+    o_ref, lse_ref = paged.draft_context_attention(q, cache, table, ctx, PS, hd ** -0.5)
+    o, lse = at.draft_context_attention(q, cache, table, ctx, PS, hd ** -0.5,
+                                        num_splits=num_splits, block_n=16)
+    torch.testing.assert_close(o, o_ref, **FP32)
+    torch.testing.assert_close(lse, lse_ref, **FP32)
+    assert (o[0] == 0).all() and (lse[0] == float("-inf")).all()
+
+
+@needs_triton
+@pytest.mark.parametrize("device", DEVICES)
+def test_draft_kernel_bf16_at_kimi_drafter_rank_sizes(device):
+    """Kimi-K2.5-DFlash per rank at TP 8 (8 query heads, 1 KV head, head_dim 128), a block
+    of 8, bf16 cache; NaN in every slot no row may read."""
+    nh, kvh, hd, M, ps = 8, 1, 128, 8, 16
+    cache, table, ctx = _paged_case([17, 0, 48], 2 * kvh * hd, ps, 3, dtype=torch.bfloat16,
+                                    seed=9)
+    q = torch.randn(3, M, nh, hd, generator=torch.Generator().manual_seed(10)).bfloat16()
+    poisoned = _poisoned(cache, table, ctx, ps)
+    q, cache, poisoned, table, ctx = _to(device, q, cache, poisoned, table, ctx)
+    o_ref, lse_ref = paged.draft_context_attention(q, cache, table, ctx, ps, hd ** -0.5)
+    o, lse = at.draft_context_attention(q, poisoned, table, ctx, ps, hd ** -0.5)
+    torch.testing.assert_close(o, o_ref, **BF16)
+    torch.testing.assert_close(lse, lse_ref, **BF16)
+
+
+# --- interpreter robustness and GPU block shapes, in fresh processes --------------------------
+
+
+def _run_python(code: str, env: dict[str, str], timeout: int = 120) -> str:
+    res = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=timeout)
+    assert res.returncode == 0, res.stdout + res.stderr
+    return res.stdout
+
+
+def _clean_env(tmp_path: Path) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path / "triton_cache")
+    env["PYTHONPATH"] = str(ROOT)
+    return env
+
+
+@needs_triton
+def test_kernels_run_on_cpu_when_triton_was_imported_without_interpreter(tmp_path):
+    """Another module imported triton (and this one) before anyone set `TRITON_INTERPRET`:
+    the kernels still run on CPU tensors and equal the twins."""
+    out = _run_python("""
+        import torch, triton
+        import triton.language as tl
+        from triton.runtime.jit import JITFunction
+        assert isinstance(tl.standard.max, JITFunction)  # compiled-mode standard library
+        from ops import attention_triton as at, paged
+        g = torch.Generator().manual_seed(0)
+        cache = torch.randn(40, 80, generator=g)
+        table = torch.tensor([[3, 7, 0], [0, 0, 0], [9, 2, 5]])
+        ctx = torch.tensor([6, 0, 12])
+        ql, qp = torch.randn(3, 2, 4, 64, generator=g), torch.randn(3, 2, 4, 16, generator=g)
+        o, l = at.mla_prefix_attention(ql, qp, cache, table, ctx, 4, 0.1, num_splits=2)
+        o2, l2 = paged.mla_prefix_attention(ql, qp, cache, table, ctx, 4, 0.1)
+        torch.testing.assert_close(o, o2, rtol=1e-5, atol=2e-5)
+        torch.testing.assert_close(l, l2, rtol=1e-5, atol=2e-5)
+        print("ok")
+    """, _clean_env(tmp_path))
+    assert out.strip().endswith("ok")
+
+
+def _ptxas() -> str | None:
+    if at is None:
+        return None
+    bindir = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+    for name in ("ptxas-blackwell", "ptxas"):
+        if (bindir / name).is_file():
+            return str(bindir / name)
+    return None
+
+
+@needs_triton
+@pytest.mark.skipif(_ptxas() is None, reason="triton's NVIDIA backend (ptxas) is missing")
+def test_kernels_compile_for_sm90_without_spills(tmp_path):
+    """The wrappers' tile choices compile for an H200 (sm_90a) with no register spills and
+    shared memory within its 227 KB, without a GPU: Triton compiles to PTX, ptxas reports."""
+    out = _run_python(f"""
+        import re, subprocess, tempfile, torch, triton
+        from triton.backends.compiler import GPUTarget
+        from triton.compiler import ASTSource
+        from ops import attention_triton as at
+
+        def fwd(dtype, da, db, dv, group, rows, v_is_a):
+            meta, warps = at.fwd_meta(dtype, "cuda", rows=rows, group=group, page_size=16,
+                                      da=da, db=db, dv=dv, v_is_a=v_is_a)
+            t = {{torch.bfloat16: "bf16", torch.float32: "fp32"}}[dtype]
+            return at._paged_attn_fwd, meta, warps, dict(qa_ptr="*" + t, qb_ptr="*" + t,
+                                                          kv_ptr="*" + t)
+
+        cases = dict(
+            mla_kimi_bf16=fwd(torch.bfloat16, 512, 64, 512, 8, 65 * 8, True),
+            mla_kimi_fp32=fwd(torch.float32, 512, 64, 512, 8, 65 * 8, True),
+            mla_toy_fp32=fwd(torch.float32, 64, 16, 64, 4, 65 * 4, True),
+            mla_toy_bf16=fwd(torch.bfloat16, 64, 16, 64, 4, 65 * 4, True),
+            draft_kimi_bf16=fwd(torch.bfloat16, 128, 0, 128, 8, 64, False),
+            draft_kimi_fp32=fwd(torch.float32, 128, 0, 128, 8, 64, False),
+            merge=(at._merge_splits, dict(DV=512, BLOCK_R=8, BLOCK_DV=512), 4, {{}}),
+        )
+        for name, (fn, const, nw, ptrs) in cases.items():
+            sig = {{}}
+            for a in fn.arg_names:
+                if a in const:
+                    sig[a] = "constexpr"
+                elif a.endswith("_ptr"):
+                    sig[a] = ptrs.get(a, "*i64" if a in ("pt_ptr", "len_ptr") else "*fp32")
+                else:
+                    sig[a] = "fp32" if a == "qk_scale" else "i32"
+            k = triton.compile(ASTSource(fn, sig, constexprs=const),
+                               target=GPUTarget("cuda", 90, 32), options=dict(num_warps=nw))
+            with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
+                f.write(k.asm["ptx"])
+            res = subprocess.run([{_ptxas()!r}, "-v", "-arch=sm_90a", f.name, "-o", "/dev/null"],
+                                 capture_output=True, text=True)
+            assert res.returncode == 0, res.stderr
+            spill = re.search(r"(\\d+) bytes spill stores", res.stderr).group(1)
+            regs = re.search(r"Used (\\d+) registers", res.stderr).group(1)
+            print(name, "shared", k.metadata.shared, "spill", spill, "regs", regs)
+            assert spill == "0", (name, res.stderr)
+            assert k.metadata.shared <= 227 * 1024, (name, k.metadata.shared)
+        print("ok")
+    """, _clean_env(tmp_path), timeout=300)
+    assert out.strip().endswith("ok"), out
