@@ -1,7 +1,14 @@
 """Kimi K2 tokenizer: tiktoken BPE ranks + Kimi's special tokens, pre-tokenizer and chat format.
 
-Everything is read from local files (`tiktoken.model`, `tokenizer_config.json`); nothing here
-may download an encoding.
+Everything is read from local files (`tiktoken.model`, `tokenizer_config.json`,
+`chat_template.jinja`); nothing here may download an encoding.
+
+Special block: ids n .. n+255 after the n ordinary ranks, as Kimi's tokenization_kimi.py builds
+it: a name from the config's added_tokens_decoder where it gives one, `<|reserved_token_{id}|>`
+(the absolute id) for every other id. Every id below `vocab_size` decodes; decoding with
+`skip_special_tokens` drops the whole block. `encode(text)` is ordinary: special-token strings
+in text stay plain text unless `allow_special=True`. Chat prompts are rendered by engine.chat
+from the checkpoint's own jinja template.
 """
 
 from __future__ import annotations
@@ -11,11 +18,21 @@ import binascii
 import codecs
 import json
 import os
+import re
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import tiktoken
+
+from engine.chat import (
+    CONFIG_FILE,
+    DEFAULT_SYSTEM_PROMPT,
+    ChatRenderer,
+    TokenizerError,
+    load_chat_template,
+    named_special_tokens,
+)
 
 # Kimi K2's pre-tokenizer (tokenization_kimi.py). `&&` is character-class intersection: Han
 # characters are letters (\p{Lo}) but must never join a Latin-style word chunk, so they are cut
@@ -37,10 +54,6 @@ KIMI_PAT_STR = "|".join(
 )
 
 MODEL_FILE = "tiktoken.model"
-CONFIG_FILE = "tokenizer_config.json"
-
-DEFAULT_SYSTEM_PROMPT = "You are Kimi, an AI assistant created by Moonshot AI."
-
 # Kimi's special tokens relative to the first id after the ordinary ranks; every other slot in
 # the reserved block is "<|reserved_token_{i}|>". [UNK] and [PAD] take the last two slots.
 _NAMED_SPECIAL_OFFSETS = {
@@ -54,14 +67,10 @@ _NAMED_SPECIAL_OFFSETS = {
 }
 _MIN_RESERVED_SPECIAL = max(_NAMED_SPECIAL_OFFSETS.values()) + 3
 
-# Role -> (opening special token, role name written after it), as in Kimi's chat template.
-_ROLE_HEADERS = {
-    "system": ("<|im_system|>", "system"),
-    "user": ("<|im_user|>", "user"),
-    "assistant": ("<|im_assistant|>", "assistant"),
-    "tool": ("<|im_system|>", "tool"),
-}
+NUM_RESERVED_SPECIAL = 256
 
+# The chat template write_tokenizer_files embeds (and the bundled model ships): Kimi's format for
+# plain system/user/assistant/tool text messages. engine.chat renders it (or any checkpoint's).
 CHAT_TEMPLATE = (
     "{%- for message in messages -%}"
     "{%- if loop.first and messages[0]['role'] != 'system' -%}"
@@ -85,10 +94,6 @@ CHAT_TEMPLATE = (
 # it the same way keeps ids identical to Kimi's own tokenizer.
 TIKTOKEN_MAX_ENCODE_CHARS = 400_000
 MAX_NO_WHITESPACES_CHARS = 25_000
-
-
-class TokenizerError(ValueError):
-    """A tokenizer file or a chat request is malformed."""
 
 
 def _parse_ranks(path: Path) -> dict[bytes, int]:
@@ -135,29 +140,80 @@ def _parse_ranks(path: Path) -> dict[bytes, int]:
     return ranks
 
 
-def _relative_specials(first_id: int, num_reserved_special: int = 256) -> dict[str, int]:
+def reserved_token_name(token_id: int) -> str:
+    """Kimi's name for an unnamed id of the special block, numbered by its absolute id as
+    tokenization_kimi.py numbers it (`<|reserved_token_163590|>` for id 163590)."""
+    return f"<|reserved_token_{token_id}|>"
+
+
+def _kimi_named_layout(first_id: int, num_reserved_special: int) -> dict[int, str]:
     if num_reserved_special < _MIN_RESERVED_SPECIAL:
         raise TokenizerError(
             f"num_reserved_special must be at least {_MIN_RESERVED_SPECIAL}, "
             f"got {num_reserved_special}"
         )
-    names = {off: name for name, off in _NAMED_SPECIAL_OFFSETS.items()}
-    names[num_reserved_special - 2] = "[UNK]"
-    names[num_reserved_special - 1] = "[PAD]"
+    named = {first_id + off: name for name, off in _NAMED_SPECIAL_OFFSETS.items()}
+    named[first_id + num_reserved_special - 2] = "[UNK]"
+    named[first_id + num_reserved_special - 1] = "[PAD]"
+    return named
+
+
+def kimi_special_tokens(
+    first_id: int,
+    named: Mapping[int, str] | None = None,
+    num_reserved_special: int = NUM_RESERVED_SPECIAL,
+) -> dict[str, int]:
+    """The special block as Kimi's tokenization_kimi.py builds it: ids first_id ..
+    first_id+num_reserved_special-1, each named by `named` (id -> content, e.g. the config's
+    added_tokens_decoder) or else `<|reserved_token_{id}|>`.
+
+    Without `named`, Kimi's layout of its named tokens is assumed (_NAMED_SPECIAL_OFFSETS, [UNK]
+    and [PAD] last). Named ids outside the block are kept as extra special tokens.
+    """
+    if named is None:
+        named = _kimi_named_layout(first_id, num_reserved_special)
+    ids = sorted(set(range(first_id, first_id + num_reserved_special)) | set(named))
+    specials: dict[str, int] = {}
+    for token_id in ids:
+        name = named.get(token_id) or reserved_token_name(token_id)
+        if name in specials:
+            raise TokenizerError(
+                f"special token {name!r} names both id {specials[name]} and id {token_id}"
+            )
+        specials[name] = token_id
+    return specials
+
+
+def _relative_specials(first_id: int, num_reserved_special: int = 256) -> dict[str, int]:
+    """The names write_tokenizer_files records for every slot of the block: Kimi's named layout,
+    and `<|reserved_token_{offset}|>` (offset inside the block) for the other slots.
+
+    NOTE: written names are data that loading reads back verbatim; they stay as they were so
+    that retraining reproduces the shipped models/ files byte for byte.
+    """
+    named = _kimi_named_layout(0, num_reserved_special)
     return {
-        names.get(i, f"<|reserved_token_{i}|>"): first_id + i for i in range(num_reserved_special)
+        named.get(i, f"<|reserved_token_{i}|>"): first_id + i for i in range(num_reserved_special)
     }
 
 
-def _specials_from_config(path: Path) -> dict[str, int]:
+def _read_config(path: Path) -> dict[str, Any]:
     try:
         config = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise TokenizerError(f"cannot read {path}: {e}") from e
-    decoder = config.get("added_tokens_decoder") if isinstance(config, dict) else None
+    if not isinstance(config, dict):
+        raise TokenizerError(f"{path}: not a JSON object")
+    return config
+
+
+def _named_specials(config: Mapping[str, Any], path: Path) -> dict[int, str]:
+    """id -> content of the config's added_tokens_decoder."""
+    decoder = config.get("added_tokens_decoder")
     if not isinstance(decoder, dict) or not decoder:
         raise TokenizerError(f"{path}: no 'added_tokens_decoder' mapping")
-    specials: dict[str, int] = {}
+    named: dict[int, str] = {}
+    seen: set[str] = set()
     for key, entry in decoder.items():
         try:
             token_id = int(key)
@@ -166,10 +222,11 @@ def _specials_from_config(path: Path) -> dict[str, int]:
                 raise ValueError("bad content or id")
         except (ValueError, TypeError, KeyError) as e:
             raise TokenizerError(f"{path}: bad added_tokens_decoder entry {key!r}: {e}") from e
-        if content in specials:
+        if content in seen:
             raise TokenizerError(f"{path}: special token {content!r} listed twice")
-        specials[content] = token_id
-    return specials
+        seen.add(content)
+        named[token_id] = content
+    return named
 
 
 def _split_long_runs(text: str) -> Iterator[str]:
@@ -198,7 +255,11 @@ def _split_long_runs(text: str) -> Iterator[str]:
 
 
 class Tokenizer:
-    """Kimi tokenizer over a tiktoken Encoding; special ids come from tokenizer_config.json."""
+    """Kimi tokenizer over a tiktoken Encoding; special ids come from tokenizer_config.json.
+
+    `chat_template`: the checkpoint's jinja template(s) (None: engine.chat's fallback);
+    `special_tokens_map`: the named special tokens templates see (`bos_token`, ...).
+    """
 
     def __init__(
         self,
@@ -206,6 +267,9 @@ class Tokenizer:
         special_tokens: Mapping[str, int],
         name: str = "kimi",
         pat_str: str = KIMI_PAT_STR,
+        *,
+        chat_template: str | Mapping[str, str] | None = None,
+        special_tokens_map: Mapping[str, str] | None = None,
     ) -> None:
         ordinary_ids = set(mergeable_ranks.values())
         clash = sorted(n for n, i in special_tokens.items() if i in ordinary_ids)
@@ -213,14 +277,25 @@ class Tokenizer:
             raise TokenizerError(f"special tokens {clash[:4]} reuse ids of ordinary tokens")
         if len(set(special_tokens.values())) != len(special_tokens):
             raise TokenizerError("two special tokens share one id")
+        specials = dict(special_tokens)
+        # NOTE: every id below vocab_size must decode: an id that is neither an ordinary rank
+        # nor a named special gets Kimi's reserved name.
+        known = ordinary_ids | set(specials.values())
+        for token_id in range(max(known) + 1):
+            if token_id not in known:
+                reserved = reserved_token_name(token_id)
+                if reserved in specials:
+                    raise TokenizerError(f"special token {reserved!r} names a second id")
+                specials[reserved] = token_id
         self.encoding = tiktoken.Encoding(
             name=name,
             pat_str=pat_str,
             mergeable_ranks=mergeable_ranks,
-            special_tokens=dict(special_tokens),
+            special_tokens=specials,
         )
-        self.special_tokens: dict[str, int] = dict(special_tokens)
+        self.special_tokens: dict[str, int] = specials
         self._special_ids = frozenset(self.special_tokens.values())
+        self._special_re: re.Pattern[str] | None = None
         self.vocab_size: int = self.encoding.max_token_value + 1
         get = self.special_tokens.get
         self.bos_id: int | None = get("[BOS]")
@@ -234,12 +309,17 @@ class Tokenizer:
         self.stop_ids: frozenset[int] = frozenset(
             i for i in (self.im_end_id, self.eos_id) if i is not None
         )
+        self.chat_template = chat_template
+        self.special_tokens_map: dict[str, str] = dict(special_tokens_map or {})
+        self._chat: ChatRenderer | None = None
 
     @classmethod
     def from_dir(cls, path: str | os.PathLike[str]) -> Tokenizer:
-        """Loads `tiktoken.model` and, when present, `tokenizer_config.json` from `path`.
+        """Loads `tiktoken.model`, and when present `tokenizer_config.json` (special tokens, named
+        special tokens, chat template) and `chat_template.jinja` (wins over the config's).
 
-        Without the config, Kimi's special-token layout is assumed right after the ordinary ranks.
+        The special block follows the ordinary ranks (Kimi's layout); without a config, Kimi's
+        names for its named specials are assumed.
         """
         root = Path(path)
         if not root.is_dir():
@@ -248,22 +328,53 @@ class Tokenizer:
         if not model.is_file():
             raise TokenizerError(f"{model} not found")
         ranks = _parse_ranks(model)
-        config = root / CONFIG_FILE
-        if config.exists():
-            specials = _specials_from_config(config)
-        else:
-            specials = _relative_specials(max(ranks.values()) + 1)
+        n = len(ranks)
+        if max(ranks.values()) != n - 1:
+            raise TokenizerError(
+                f"{model}: ranks must be 0..{n - 1} (the special block follows them)"
+            )
+        config_path = root / CONFIG_FILE
+        config = _read_config(config_path) if config_path.exists() else None
+        named = _named_specials(config, config_path) if config is not None else None
+        specials = kimi_special_tokens(n, named)
         try:
-            return cls(ranks, specials, name=root.name or "kimi")
+            return cls(
+                ranks,
+                specials,
+                name=root.name or "kimi",
+                chat_template=load_chat_template(root, config or {}),
+                special_tokens_map=named_special_tokens(config),
+            )
         except TokenizerError as e:
             raise TokenizerError(f"{root}: {e}") from e
 
-    def encode(self, text: str) -> list[int]:
-        """Encodes ordinary text: special-token strings inside `text` stay plain text."""
+    def encode(self, text: str, allow_special: bool = False) -> list[int]:
+        """Encodes `text`. By default special-token strings inside it stay plain text; with
+        `allow_special=True` each exact special-token string becomes its special id."""
+        if not allow_special:
+            return self._encode_ordinary(text)
+        ids: list[int] = []
+        last = 0
+        for m in self.special_pattern.finditer(text):
+            ids.extend(self._encode_ordinary(text[last : m.start()]))
+            ids.append(self.special_tokens[m.group(0)])
+            last = m.end()
+        ids.extend(self._encode_ordinary(text[last:]))
+        return ids
+
+    def _encode_ordinary(self, text: str) -> list[int]:
         ids: list[int] = []
         for piece in _split_long_runs(text):
             ids.extend(self.encoding.encode_ordinary(piece))
         return ids
+
+    @property
+    def special_pattern(self) -> re.Pattern[str]:
+        """Regex matching any special-token string, longest first."""
+        if self._special_re is None:
+            ordered = sorted(self.special_tokens, key=lambda s: (-len(s), s))
+            self._special_re = re.compile("|".join(map(re.escape, ordered)) or "(?!)")
+        return self._special_re
 
     def decode_bytes(self, ids: Sequence[int], skip_special_tokens: bool = False) -> bytes:
         ids = list(ids)
@@ -289,69 +400,35 @@ class Tokenizer:
         except KeyError as e:
             raise TokenizerError(f"tokenizer has no special token {name!r}") from e
 
+    @property
+    def chat(self) -> ChatRenderer:
+        """The renderer of this tokenizer's chat template (engine.chat.ChatRenderer)."""
+        if self._chat is None or self._chat.template is not self.chat_template:
+            self._chat = ChatRenderer(self, self.chat_template, self.special_tokens_map)
+        return self._chat
+
     def apply_chat_template(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+        **template_kwargs: Any,
     ) -> list[int]:
-        """Token ids of a conversation in Kimi's chat format.
+        """Token ids of a conversation rendered with the checkpoint's chat template (or the
+        fallback), as engine.chat.ChatRenderer.encode describes: only the template's own special
+        tokens become special ids. `template_kwargs` (e.g. `thinking=False`) reach the template.
+        Malformed messages raise TokenizerError naming the field."""
+        return self.chat.encode(messages, tools, add_generation_prompt, **template_kwargs)
 
-        Each message becomes `<|im_{role}|>{role}<|im_middle|>{content}<|im_end|>` ("tool" opens
-        with <|im_system|>); a default system message goes first when there is none, and
-        `<|im_assistant|>assistant<|im_middle|>` follows when `add_generation_prompt`.
-        """
-        turns = _validate_messages(messages)
-        if turns[0][0] != "system":
-            turns.insert(0, ("system", DEFAULT_SYSTEM_PROMPT))
-        im_middle = self.special_id("<|im_middle|>")
-        im_end = self.special_id("<|im_end|>")
-        ids: list[int] = []
-        for role, content in turns:
-            opener, role_name = _ROLE_HEADERS[role]
-            ids.append(self.special_id(opener))
-            ids.extend(self.encode(role_name))
-            ids.append(im_middle)
-            ids.extend(self.encode(content))
-            ids.append(im_end)
-        if add_generation_prompt:
-            ids.append(self.special_id("<|im_assistant|>"))
-            ids.extend(self.encode("assistant"))
-            ids.append(im_middle)
-        return ids
-
-
-def _validate_messages(messages: object) -> list[tuple[str, str]]:
-    """Checks the chat request shape; returns (role, content text) pairs."""
-    if not isinstance(messages, list) or not messages:
-        raise TokenizerError("messages must be a non-empty list")
-    turns: list[tuple[str, str]] = []
-    for i, msg in enumerate(messages):
-        where = f"messages[{i}]"
-        if not isinstance(msg, dict):
-            raise TokenizerError(f"{where} must be a dict, got {type(msg).__name__}")
-        role = msg.get("role")
-        if not isinstance(role, str):
-            raise TokenizerError(f"{where}['role'] must be a string")
-        if role not in _ROLE_HEADERS:
-            raise TokenizerError(
-                f"{where}['role'] is {role!r}; expected one of {sorted(_ROLE_HEADERS)}"
-            )
-        if "content" not in msg:
-            raise TokenizerError(f"{where}['content'] is missing")
-        content = msg["content"]
-        if isinstance(content, str):
-            turns.append((role, content))
-            continue
-        if not isinstance(content, list):
-            raise TokenizerError(f"{where}['content'] must be a string or a list of text parts")
-        texts: list[str] = []
-        for j, part in enumerate(content):
-            pwhere = f"{where}['content'][{j}]"
-            if not isinstance(part, dict) or part.get("type") != "text":
-                raise TokenizerError(f"{pwhere} must be {{'type': 'text', 'text': str}}")
-            if not isinstance(part.get("text"), str):
-                raise TokenizerError(f"{pwhere}['text'] must be a string")
-            texts.append(part["text"])
-        turns.append((role, "".join(texts)))
-    return turns
+    def render_chat_template(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+        **template_kwargs: Any,
+    ) -> str:
+        """The prompt text apply_chat_template encodes (transformers' rendering)."""
+        return self.chat.render(messages, tools, add_generation_prompt, **template_kwargs)
 
 
 class IncrementalDecoder:

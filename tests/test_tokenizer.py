@@ -3,6 +3,7 @@ from __future__ import annotations
 import base64
 import json
 import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -17,9 +18,13 @@ from engine.tokenizer import (
     KIMI_PAT_STR,
     MAX_NO_WHITESPACES_CHARS,
     MODEL_FILE,
+    NUM_RESERVED_SPECIAL,
     Tokenizer,
     TokenizerError,
+    _parse_ranks,
     _split_long_runs,
+    kimi_special_tokens,
+    reserved_token_name,
     write_tokenizer_files,
 )
 from engine.tools.train_tokenizer import main as train_main
@@ -33,6 +38,16 @@ CORPUS = [
     "Émojis 🎉🎉 and accents: café, naïve, façade, déjà vu — all bytes in the end. 👩‍💻\n",
     "    def forward(self, x):\n        return self.linear(x)  # the quick brown fox\n",
 ]
+
+BUNDLED = Path(__file__).resolve().parent.parent / "models" / "kimi-mini"
+
+# K2-Instruct's tokenizer_config.json names only these 12 ids of the block (offsets from its
+# first id, 163584); tokenization_kimi.py names every other one <|reserved_token_{id}|>.
+K2_INSTRUCT_NAMED = {
+    0: "[BOS]", 1: "[EOS]", 2: "<|im_end|>", 3: "<|im_user|>", 4: "<|im_assistant|>",
+    6: "<|start_header_id|>", 7: "<|end_header_id|>", 9: "[EOT]", 10: "<|im_system|>",
+    17: "<|im_middle|>", 254: "[UNK]", 255: "[PAD]",
+}
 
 UNICODE_SAMPLES = ["🎉", "👩‍👩‍👧", "🇯🇵", "世界", "中文", "é", "\u0301", "\r\n", "  ", "<|im_end|>"]
 
@@ -131,6 +146,118 @@ def test_long_runs_split_like_kimi(tok: Tokenizer) -> None:
     assert "".join(pieces) == text
     assert [len(p) for p in pieces] == [MAX_NO_WHITESPACES_CHARS, 13]
     assert tok.decode(tok.encode(text)) == text
+
+
+def test_encode_allow_special(tok: Tokenizer) -> None:
+    text = "a<|im_end|>b<|reserved_token_5|><|im_end|>"
+    ids = tok.encode(text, allow_special=True)
+    assert ids == [*tok.encode("a"), tok.im_end_id, *tok.encode("b"),
+                   tok.special_tokens["<|reserved_token_5|>"], tok.im_end_id]
+    assert tok.decode(ids) == text == tok.decode(tok.encode(text))
+    assert tok.encode("plain", allow_special=True) == tok.encode("plain")
+    assert tok.encode("") == tok.encode("", allow_special=True) == []
+
+
+# ---------------------------------------------------------------- Kimi's special block
+
+
+def _kimi_dir(tmp_path: Path, named: dict[int, str] | None) -> Path:
+    """The bundled ranks, plus a config naming `named` (offsets in the block) or none."""
+    shutil.copy(BUNDLED / MODEL_FILE, tmp_path / MODEL_FILE)
+    if named is not None:
+        n = len(_parse_ranks(tmp_path / MODEL_FILE))
+        added = {str(n + off): {"content": name, "special": True} for off, name in named.items()}
+        (tmp_path / CONFIG_FILE).write_text(json.dumps({"added_tokens_decoder": added}))
+    return tmp_path
+
+
+@pytest.mark.parametrize("named", [None, K2_INSTRUCT_NAMED], ids=["no-config", "k2-instruct"])
+def test_every_id_of_a_kimi_tokenizer_decodes(tmp_path: Path, named: dict[int, str] | None
+                                              ) -> None:
+    tok = Tokenizer.from_dir(_kimi_dir(tmp_path, named))
+    n = len(_parse_ranks(tmp_path / MODEL_FILE))
+    assert tok.vocab_size == n + NUM_RESERVED_SPECIAL
+    block = range(n, n + NUM_RESERVED_SPECIAL)
+    assert sorted(tok.special_tokens.values()) == list(block)
+    texts = [tok.decode([i]) for i in range(tok.vocab_size)]
+    assert all(texts)
+    assert tok.decode(list(range(tok.vocab_size))) == "".join(texts)
+    # the whole block is special: skipped together, ordinary ids all kept
+    assert tok.decode(list(block), skip_special_tokens=True) == ""
+    assert tok.decode(list(range(n)), skip_special_tokens=True) == tok.decode(list(range(n)))
+    # Kimi's names: the config's where given, the absolute id everywhere else
+    layout = named or {0: "[BOS]", 1: "[EOS]", 2: "<|im_end|>", 3: "<|im_user|>",
+                       4: "<|im_assistant|>", 10: "<|im_system|>", 17: "<|im_middle|>",
+                       254: "[UNK]", 255: "[PAD]"}
+    for off in range(NUM_RESERVED_SPECIAL):
+        want = layout.get(off, f"<|reserved_token_{n + off}|>")
+        assert texts[n + off] == want
+        assert tok.special_tokens[want] == n + off
+    assert (tok.bos_id, tok.eos_id, tok.im_end_id, tok.im_middle_id, tok.pad_id) == (
+        n, n + 1, n + 2, n + 17, n + 255)
+    with pytest.raises(TokenizerError, match="vocab_size"):
+        tok.decode([tok.vocab_size])
+
+
+def test_kimi_special_tokens_at_real_scale() -> None:
+    block = kimi_special_tokens(163584, {163584 + k: v for k, v in K2_INSTRUCT_NAMED.items()})
+    assert len(block) == 256
+    assert block["<|reserved_token_163589|>"] == 163589
+    assert block["<|im_middle|>"] == 163601 and block["[PAD]"] == 163839
+    assert reserved_token_name(163838) not in block  # [UNK] is named
+    with pytest.raises(TokenizerError, match="names both"):
+        kimi_special_tokens(10, {10: "<|reserved_token_11|>"})
+
+
+def test_config_ids_outside_the_block_and_gaps_still_decode(tmp_path: Path) -> None:
+    _kimi_dir(tmp_path, None)
+    n = len(_parse_ranks(tmp_path / MODEL_FILE))
+    extra = n + NUM_RESERVED_SPECIAL + 10
+    added = {str(n + 2): {"content": "<|im_end|>"}, str(extra): {"content": "<|extra|>"}}
+    (tmp_path / CONFIG_FILE).write_text(json.dumps({"added_tokens_decoder": added}))
+    tok = Tokenizer.from_dir(tmp_path)
+    assert tok.vocab_size == extra + 1
+    assert tok.decode([extra - 1, extra]) == f"<|reserved_token_{extra - 1}|><|extra|>"
+    assert tok.decode(list(range(n, extra + 1)), skip_special_tokens=True) == ""
+    # a tokenizer built directly with gaps between its ids gets the same treatment
+    direct = Tokenizer({bytes([b]): b for b in range(256)}, {"<|a|>": 300})
+    assert direct.decode([260, 300]) == "<|reserved_token_260|><|a|>"
+
+
+def test_ranks_must_be_contiguous(tmp_path: Path) -> None:
+    lines = [base64.b64encode(bytes([b])) + b" " + str(b).encode() for b in range(256)]
+    (tmp_path / MODEL_FILE).write_bytes(b"\n".join([*lines, b"YWI= 300"]) + b"\n")
+    with pytest.raises(TokenizerError, match=r"ranks must be 0\.\.256"):
+        Tokenizer.from_dir(tmp_path)
+
+
+def _stdlib_corpus() -> str:
+    import argparse
+    import difflib
+    import email
+    import textwrap
+
+    files = [Path(argparse.__file__), Path(difflib.__file__), Path(textwrap.__file__),
+             *sorted(Path(json.__file__).parent.glob("*.py")),
+             Path(email.__file__).parent / "_header_value_parser.py"]
+    return "".join(f.read_text(encoding="utf-8") for f in files)
+
+
+def test_roundtrip_on_python_sources(tmp_path: Path) -> None:
+    text = _stdlib_corpus() + "".join(CORPUS) + "".join(UNICODE_SAMPLES)
+    assert len(text) > 200_000
+    for k, named in enumerate((None, K2_INSTRUCT_NAMED)):
+        (tmp_path / str(k)).mkdir()
+        tok = Tokenizer.from_dir(_kimi_dir(tmp_path / str(k), named))
+        ids = tok.encode(text)
+        assert tok.decode(ids) == text
+        assert not set(ids) & set(tok.special_tokens.values())
+        with_specials = tok.encode(text, allow_special=True)
+        assert tok.decode(with_specials) == text
+        assert tok.im_end_id in with_specials  # UNICODE_SAMPLES holds one <|im_end|>
+        dec = tok.stream_decoder()
+        assert "".join(dec.push(ids[i:i + 7]) for i in range(0, len(ids), 7)) + dec.flush() == (
+            text)
 
 
 # ---------------------------------------------------------------- special ids / files
