@@ -1,30 +1,29 @@
-"""Frozen configuration dataclasses, parsed from checkpoint `config.json` files and validated."""
+"""Frozen configuration: the checkpoints' `config.json` files (`ModelConfig`, `DraftConfig`),
+the engine's knobs (`EngineConfig`, the one source of every command line's engine flags) and
+per-request sampling (`SamplingParams`), each validated once, when it is made.
+
+`EngineConfig` and `SamplingParams` are pydantic dataclasses: their ranges and choices are
+declared on the fields, and the server's request bodies reuse the same field types.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
-import math
 import re
+import types
+import typing
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Literal, Union
+
+from pydantic import BeforeValidator, ConfigDict, Field, ValidationError
+from pydantic.dataclasses import dataclass as checked_dataclass
 
 # Step modes: a DDTree, the drafter's argmax chain, or plain one-token decoding.
 MODES = ("tree", "chain", "ar")
-
-
-def add_model_args(ap: argparse.ArgumentParser, budget_policy: bool = True) -> None:
-    """The model-pair and step-mode flags every command line shares (generate, serve, profile)."""
-    ap.add_argument("--model", help="target checkpoint dir (default: the bundled model)")
-    ap.add_argument("--draft", help="DFlash drafter dir (default: the bundled drafter when "
-                                    "--model is not given; needed unless --mode ar)")
-    ap.add_argument("--mode", choices=MODES, default="tree")
-    ap.add_argument("--budget", type=int, default=16, help="tree nodes besides the root")
-    if budget_policy:
-        ap.add_argument("--budget-policy", default=None,
-                        help="TOML table of tree budget per batch size (configs/budgets.toml)")
-
+DType = Literal["auto", "float32", "fp32", "bfloat16", "bf16", "float16", "fp16"]
+DTYPE_NAMES = typing.get_args(DType)[1:]
 
 TARGET_MODEL_TYPES = ("kimi_k2", "deepseek_v3")
 WRAPPED_MODEL_TYPES = ("kimi_k25",)
@@ -242,77 +241,17 @@ class ModelConfig:
     @property
     def yarn_mscale(self) -> float:
         """`m(f, mscale_all_dim)`: the softmax-scale correction of YaRN (1.0 without yarn)."""
+        # NOTE: imported here so that reading configs (the scheduler, the server) needs no torch.
+        from ops.rope import yarn_m
+
         s = self.rope_scaling
         if not s or s.get("type") != "yarn":
             return 1.0
-        return _yarn_m(float(s["factor"]), float(s.get("mscale_all_dim", 0) or 0))
+        return yarn_m(float(s["factor"]), float(s.get("mscale_all_dim", 0) or 0))
 
     @property
     def softmax_scale(self) -> float:
         return self.qk_head_dim ** -0.5 * self.yarn_mscale ** 2
-
-    # ---- shapes --------------------------------------------------------------------------------
-
-    def tensor_shapes(self) -> dict[str, tuple[int, ...]]:
-        """Every weight the text model has, by checkpoint name (prefix included), at its
-        logical (dequantized) shape."""
-        p = self.weight_prefix
-        H, nh = self.hidden_size, self.num_attention_heads
-        out: dict[str, tuple[int, ...]] = {
-            f"{p}model.embed_tokens.weight": (self.vocab_size, H),
-            f"{p}model.norm.weight": (H,),
-        }
-        if not self.tie_word_embeddings:
-            out[f"{p}lm_head.weight"] = (self.vocab_size, H)
-        for i in range(self.num_hidden_layers):
-            lp = f"{p}model.layers.{i}."
-            out[lp + "input_layernorm.weight"] = (H,)
-            out[lp + "post_attention_layernorm.weight"] = (H,)
-            a = lp + "self_attn."
-            if self.q_lora_rank:
-                out[a + "q_a_proj.weight"] = (self.q_lora_rank, H)
-                out[a + "q_a_layernorm.weight"] = (self.q_lora_rank,)
-                out[a + "q_b_proj.weight"] = (nh * self.qk_head_dim, self.q_lora_rank)
-            else:
-                out[a + "q_proj.weight"] = (nh * self.qk_head_dim, H)
-            out[a + "kv_a_proj_with_mqa.weight"] = (self.kv_cache_dim, H)
-            out[a + "kv_a_layernorm.weight"] = (self.kv_lora_rank,)
-            out[a + "kv_b_proj.weight"] = (
-                nh * (self.qk_nope_head_dim + self.v_head_dim), self.kv_lora_rank)
-            out[a + "o_proj.weight"] = (H, nh * self.v_head_dim)
-            m = lp + "mlp."
-            if self.is_moe(i):
-                E, inter = self.n_routed_experts, self.moe_intermediate_size
-                out[m + "gate.weight"] = (E, H)
-                out[m + "gate.e_score_correction_bias"] = (E,)
-                if self.n_shared_experts:
-                    Is = inter * self.n_shared_experts
-                    out[m + "shared_experts.gate_proj.weight"] = (Is, H)
-                    out[m + "shared_experts.up_proj.weight"] = (Is, H)
-                    out[m + "shared_experts.down_proj.weight"] = (H, Is)
-                for e in range(E):
-                    out[m + f"experts.{e}.gate_proj.weight"] = (inter, H)
-                    out[m + f"experts.{e}.up_proj.weight"] = (inter, H)
-                    out[m + f"experts.{e}.down_proj.weight"] = (H, inter)
-            else:
-                inter = self.intermediate_size
-                out[m + "gate_proj.weight"] = (inter, H)
-                out[m + "up_proj.weight"] = (inter, H)
-                out[m + "down_proj.weight"] = (H, inter)
-        return out
-
-    def param_count(self) -> int:
-        return sum(math.prod(s) for s in self.tensor_shapes().values())
-
-    def activated_param_count(self) -> int:
-        """Parameters touched per token (routed experts count `num_experts_per_tok` per layer)."""
-        total = 0
-        for name, s in self.tensor_shapes().items():
-            n = math.prod(s)
-            if ".experts." in name:
-                n = n * self.num_experts_per_tok / self.n_routed_experts
-            total += n
-        return int(total)
 
     def is_quantized_expert(self, name: str) -> bool:
         """Whether `name` (a linear's `.weight`) is stored INT4 under this checkpoint's scheme."""
@@ -333,38 +272,96 @@ class ModelConfig:
         return True
 
 
-def _yarn_m(scale: float, mscale: float) -> float:
-    if scale <= 1:
-        return 1.0
-    return 0.1 * mscale * math.log(scale) + 1.0
-
-
 @dataclass(frozen=True)
+class DraftConfig:
+    """A DFlash drafter (z-lab's layout), from its `config.json`."""
+
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    block_size: int
+    target_layer_ids: tuple[int, ...]
+    mask_token_id: int
+    vocab_size: int = 0
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None
+    max_position_embeddings: int = 4096
+    # NOTE: some ports need the yarn cos/sin amplitude overridden to match training.
+    rope_amplitude: float | None = None
+    source: str = ""
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> DraftConfig:
+        p = Path(path) / "config.json"
+        return cls.from_dict(_read_json(p), source=str(p))
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any], source: str = "draft config") -> DraftConfig:
+        dc = d.get("dflash_config") or {}
+        try:
+            theta, scaling = _rope_fields(d)
+            nh = int(d["num_attention_heads"])
+            cfg = cls(
+                hidden_size=int(d["hidden_size"]),
+                num_hidden_layers=int(d["num_hidden_layers"]),
+                num_attention_heads=nh,
+                num_key_value_heads=int(d.get("num_key_value_heads") or nh),
+                head_dim=int(d.get("head_dim") or d["hidden_size"] // nh),
+                intermediate_size=int(d["intermediate_size"]),
+                block_size=int(d["block_size"]),
+                target_layer_ids=tuple(int(x) for x in dc["target_layer_ids"]),
+                mask_token_id=int(dc.get("mask_token_id", d.get("mask_token_id"))),
+                vocab_size=int(d.get("vocab_size") or 0),
+                rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+                rope_theta=theta,
+                rope_scaling=scaling,
+                max_position_embeddings=int(d.get("max_position_embeddings", 4096)),
+                rope_amplitude=d.get("rope_amplitude"),
+                source=source,
+            )
+        except KeyError as e:
+            raise ConfigError(f"{source}: missing required field {e.args[0]!r}") from e
+        except (TypeError, ValueError) as e:
+            raise ConfigError(f"{source}: bad value ({e})") from e
+        if cfg.block_size < 2:
+            raise ConfigError(f"{source}: block_size must be >= 2, got {cfg.block_size}")
+        if cfg.num_attention_heads % cfg.num_key_value_heads:
+            raise ConfigError(f"{source}: num_attention_heads must be a multiple of "
+                              f"num_key_value_heads")
+        return cfg
+
+    @property
+    def kv_dim(self) -> int:
+        """Drafter cache width per token per layer: K and V of all KV heads."""
+        return 2 * self.num_key_value_heads * self.head_dim
+
+
+# ---- request and engine knobs ------------------------------------------------------------------
+# Field types the server's request bodies reuse, so a range is declared once.
+Temperature = Annotated[float, Field(ge=0, allow_inf_nan=False)]
+TopP = Annotated[float, Field(gt=0, le=1, allow_inf_nan=False)]
+TopK = Annotated[int, Field(ge=-1)]
+Seed = Annotated[int, Field(ge=-(2**63), le=2**64 - 1)]  # what a 64-bit seed holds
+StopString = Annotated[str, Field(min_length=1)]
+_STRICT = ConfigDict(strict=True)
+_AS_TUPLE = BeforeValidator(lambda v: tuple(v) if isinstance(v, list) else v)  # TOML arrays
+
+
+@checked_dataclass(frozen=True, config=_STRICT)
 class SamplingParams:
     """Per-request sampling. temperature 0 means greedy; top_k -1 (or 0) means no top-k."""
 
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = -1
-    max_new_tokens: int = 64
-    seed: int | None = None
-    ignore_eos: bool = False
-    stop: tuple[str, ...] = ()
-
-    def __post_init__(self) -> None:
-        if not (isinstance(self.temperature, (int, float)) and self.temperature >= 0):
-            raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
-        if not (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1):
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not (isinstance(self.top_k, int) and self.top_k >= -1):
-            raise ValueError(f"top_k must be -1 (off) or >= 0, got {self.top_k!r}")
-        if not (isinstance(self.max_new_tokens, int) and self.max_new_tokens >= 1):
-            raise ValueError(f"max_new_tokens must be a positive integer, got "
-                             f"{self.max_new_tokens!r}")
-        if self.seed is not None and not isinstance(self.seed, int):
-            raise ValueError(f"seed must be an integer, got {self.seed!r}")
-        if not (isinstance(self.stop, tuple) and all(isinstance(x, str) for x in self.stop)):
-            raise ValueError(f"stop must be a tuple of strings, got {self.stop!r}")
+    temperature: Temperature = Field(0.0, description="0: greedy")
+    top_p: TopP = Field(1.0, description="nucleus mass kept (1: off)")
+    top_k: TopK = Field(-1, description="most likely tokens kept (-1: off)")
+    max_new_tokens: Annotated[int, Field(ge=1)] = Field(64, description="tokens to generate")
+    seed: Seed | None = Field(None, description="seed of the request's coins")
+    ignore_eos: bool = Field(False, description="keep going past end-of-sequence tokens")
+    stop: tuple[StopString, ...] = Field((), description="stop strings")
 
     @property
     def greedy(self) -> bool:
@@ -374,3 +371,104 @@ class SamplingParams:
     def truncates(self) -> bool:
         """Keeps only part of the vocabulary: top-k, top-p, or greedy (run as top-k 1)."""
         return self.greedy or self.top_k > 0 or self.top_p < 1.0
+
+
+@checked_dataclass(frozen=True, config=_STRICT)
+class EngineConfig:
+    """Every engine knob, validated once. `add_cli_args` turns these fields into the flags of
+    `engine.generate`, `engine.serve` and `graphs.profile`, so all three share names, help and
+    defaults."""
+
+    model: str | None = Field(None, description="target checkpoint dir (default: the bundled "
+                                                "model)")
+    draft: str | None = Field(None, description="DFlash drafter dir (default: the bundled "
+                                                "drafter when --model is not given; needed "
+                                                "unless --mode ar)")
+    mode: Literal["tree", "chain", "ar"] = Field(
+        "tree", description="a DDTree, the drafter's argmax chain, or plain decoding")
+    budget: Annotated[int, Field(ge=1)] = Field(16, description="tree nodes besides the root")
+    budget_policy: str | None = Field(None, description="TOML table of tree budget per batch "
+                                                        "size (configs/budgets.toml)")
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: CUDA when "
+                                                                       "present, else the CPU")
+    dtype: DType = Field(
+        "auto", description="auto: bfloat16 on CUDA, float32 on the CPU")
+    max_batch_size: Annotated[int, Field(ge=1)] = Field(8, description="requests per step")
+    page_size: Annotated[int, Field(ge=1)] = Field(16, description="tokens per KV page")
+    max_model_len: Annotated[int, Field(ge=2)] | None = Field(
+        None, description="context limit (default: the model's max_position_embeddings)")
+    kv_pages: Annotated[int, Field(ge=2)] | None = Field(
+        None, description="KV pool pages (default: every batch slot at full context)")
+    capture_sizes: Annotated[tuple[Annotated[int, Field(ge=1)], ...], _AS_TUPLE] | None = Field(
+        None, description="batch sizes with a step graph, comma-separated (default: 1, 2, "
+                          "4, 8, 16, 24, 32, 48, ... up to --max-batch-size)")
+    attention: Literal["auto", "torch"] = Field(
+        "auto", description="prefix attention: auto (flashinfer's MLA kernel on CUDA when "
+                            "installed) or torch")
+    tp: Annotated[int, Field(ge=1)] = Field(1, description="tensor-parallel ranks: run under "
+                                                           "torchrun --nproc-per-node N")
+    tp_timeout: Annotated[float, Field(gt=0)] = Field(
+        30.0, description="seconds without a heartbeat from a peer rank before exiting")
+    # Not a flag: None lets the runner use CUDA graphs exactly when the device is CUDA.
+    use_graphs: bool | None = Field(None, json_schema_extra={"cli": False})
+
+
+def _flag_type(annotation: Any) -> tuple[Any, dict[str, Any]]:
+    """argparse `type` and extra keywords for a field annotation (Optional, Literal, tuples)."""
+    hint = annotation
+    if typing.get_origin(hint) in (Union, types.UnionType):
+        hint = next(a for a in typing.get_args(hint) if a is not type(None))
+    while typing.get_origin(hint) is Annotated:
+        hint = typing.get_args(hint)[0]
+    if typing.get_origin(hint) is Literal:
+        return str, {"choices": typing.get_args(hint)}
+    if typing.get_origin(hint) is tuple:
+        return _int_tuple, {}
+    return hint, {}
+
+
+def _int_tuple(s: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in s.split(",") if x.strip())
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {s!r}") from e
+
+
+def add_cli_args(ap: argparse.ArgumentParser, cls: type, exclude: tuple[str, ...] = ()) -> None:
+    """One flag per field of a pydantic dataclass (`EngineConfig`, `SamplingParams`): its name,
+    type, choices, default and help."""
+    for name, f in cls.__pydantic_fields__.items():
+        extra = f.json_schema_extra if isinstance(f.json_schema_extra, dict) else {}
+        if name in exclude or extra.get("cli") is False:
+            continue
+        flag = "--" + name.replace("_", "-")
+        if f.annotation is bool:
+            ap.add_argument(flag, action="store_true", help=f.description)
+            continue
+        typ, kw = _flag_type(f.annotation)
+        default = f.default
+        shown = ",".join(map(str, default)) if isinstance(default, tuple) else default
+        help_ = f.description if default is None else f"{f.description} (default: {shown})"
+        ap.add_argument(flag, type=typ, default=default, help=help_, **kw)
+
+
+def from_cli(cls: type, args: argparse.Namespace, **overrides: Any) -> Any:
+    """`cls` from the flags `add_cli_args` made (and `overrides`); a bad value raises
+    pydantic's ValidationError (a ValueError) naming the field."""
+    kw = {n: getattr(args, n) for n in cls.__pydantic_fields__ if hasattr(args, n)}
+    return cls(**{**kw, **overrides})
+
+
+def error_text(e: ValidationError) -> str:
+    """The first problem pydantic found, as `field: message` (unknown fields first: they
+    usually explain the other errors, a misspelt name)."""
+    errs = e.errors()
+    err = next((x for x in errs if x["type"] == "extra_forbidden"), errs[0])
+    loc = ".".join(str(x) for x in err["loc"])
+    if err["type"] == "extra_forbidden":
+        return f"unknown field {loc!r}"
+    if err["type"] == "json_invalid":
+        return f"invalid JSON ({err['ctx'].get('error', err['msg'])})" if err.get("ctx") \
+            else "invalid JSON"
+    msg = err["msg"].removeprefix("Value error, ")
+    return f"{loc}: {msg}" if loc else msg

@@ -3,29 +3,33 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
-from engine.config import ModelConfig, SamplingParams
+from engine.config import EngineConfig, SamplingParams
+from engine.dist import Group
 from engine.kv_cache import KVPool, pages_needed
+from engine.leader import AnnouncingRunner, End, Stop, follow
 from engine.models.dflash import DFlashDrafter
 from engine.models.kimi import KimiForCausalLM
 from engine.request import Request
+from engine.runner import PhaseTimer, StepGraphRunner
 from engine.scheduler import Scheduler
 from engine.spec import Models, StepShape
 from engine.tokenizer import Tokenizer
-from graphs.runner import PhaseTimer, StepGraphRunner
-
-if TYPE_CHECKING:
-    from engine.parallel import TensorParallel
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_MODEL = REPO / "models" / "kimi-mini"
 DEFAULT_DRAFT = REPO / "models" / "kimi-mini-dflash"
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+          "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+
+Prompt = str | Sequence[int] | dict[str, Any]
 
 
 def model_pair(model: str | Path | None, draft: str | Path | None) -> tuple[Path, Path | None]:
@@ -35,10 +39,35 @@ def model_pair(model: str | Path | None, draft: str | Path | None) -> tuple[Path
         return DEFAULT_MODEL, Path(draft) if draft else DEFAULT_DRAFT
     return Path(model), Path(draft) if draft else None
 
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
-          "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
 
-Prompt = str | Sequence[int] | dict[str, Any]
+def resolve_device(cfg: EngineConfig) -> tuple[torch.device, torch.dtype]:
+    """`auto` device: CUDA when present, else the CPU; `auto` dtype: bfloat16 on CUDA, float32
+    on the CPU."""
+    if cfg.device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda, but CUDA is not available")
+    cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
+    dtype = cfg.dtype if cfg.dtype != "auto" else ("bfloat16" if cuda else "float32")
+    return torch.device("cuda" if cuda else "cpu"), DTYPES[dtype]
+
+
+def load_models(cfg: EngineConfig, device: torch.device, dtype: torch.dtype,
+                tp: Group | None = None, progress: bool = True) -> tuple[Models, Path]:
+    """The target (and, unless `mode` is ar, the drafter) of `cfg`, this rank's shard of each;
+    also returns the target's directory."""
+    model, draft = model_pair(cfg.model, cfg.draft)
+    if not (model / "config.json").is_file():
+        raise FileNotFoundError(
+            f"{model}: no model here (config.json missing). Pass --model DIR, or write a small "
+            f"random one with `python -m engine.tools.make_tiny --out DIR`.")
+    if cfg.mode != "ar" and (draft is None or not (draft / "config.json").is_file()):
+        raise FileNotFoundError(
+            f"mode {cfg.mode!r} needs a drafter: {draft or '(none given)'} has no config.json. "
+            f"Pass --draft DIR (`python -m engine.tools.make_draft --target DIR --out DIR`) or "
+            f"use --mode ar.")
+    target = KimiForCausalLM.from_dir(model, device, dtype, progress=progress, tp=tp)
+    drafter = (DFlashDrafter.from_dir(draft, target.cfg.hidden_size, device, dtype, tp=tp)
+               if cfg.mode != "ar" else None)
+    return Models(target, drafter, tp=tp), model
 
 
 @dataclass
@@ -52,69 +81,36 @@ class GenerationOutput:
     accept_lengths: list[int] = field(default_factory=list)
 
 
-@dataclass
-class EngineConfig:
-    mode: str = "tree"
-    budget: int = 16
-    device: str = "cpu"
-    dtype: str = "float32"
-    max_batch_size: int = 8
-    page_size: int = 16
-    max_model_len: int | None = None
-    kv_pages: int | None = None
-    use_graphs: bool | None = None
-    capture_sizes: tuple[int, ...] | None = None
-    # Tensor parallelism: ranks (each a process started by torchrun) and the seconds a rank may
-    # go without a heartbeat from a peer before it exits naming that peer.
-    tp: int = 1
-    tp_timeout: float = 30.0
-    # A tree-budget table {batch size: budget} (TOML, `graphs.policy`); None: `budget` for all.
-    budget_policy: str | None = None
-    # Prefix attention: "auto" (flashinfer's MLA kernel on CUDA when installed) or "torch".
-    attention: str = "auto"
-
-
 class LLM:
+    """The offline engine: `LLM(model, draft, **engine knobs)` (see `EngineConfig`), or
+    `LLM(config=EngineConfig(...))`."""
+
     def __init__(self, model: str | Path | None = None, draft: str | Path | None = None,
-                 *, progress: bool = True, **engine: Any):
-        self.config = cfg = EngineConfig(**engine)
-        if cfg.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {cfg.dtype!r}")
-        if cfg.max_batch_size < 1:
-            raise ValueError(f"max_batch_size must be >= 1, got {cfg.max_batch_size}")
-        model, draft = model_pair(model, draft)
-        self.model_dir = Path(model)
-        if not (self.model_dir / "config.json").is_file():
-            raise FileNotFoundError(
-                f"{self.model_dir}: no model here (config.json missing). Pass --model DIR, or "
-                f"write a small random one with `python -m engine.tools.make_tiny --out DIR`.")
-        device, dtype = torch.device(cfg.device), DTYPES[cfg.dtype]
-        self.tp: TensorParallel | None = None
+                 *, progress: bool = True, config: EngineConfig | None = None, **engine: Any):
+        paths = {k: str(v) for k, v in (("model", model), ("draft", draft)) if v is not None}
+        if config is None:
+            config = EngineConfig(**paths, **engine)
+        elif paths or engine:
+            config = replace(config, **paths, **engine)
+        self.config = cfg = config
+        device, dtype = resolve_device(cfg)
+        self.tp: Group | None = None
         self._following = True  # followers: until the leader says "stop"
         self._closed = False
         if cfg.tp != 1:
-            from engine.parallel import TensorParallel
-
-            self.tp = TensorParallel.init(cfg.tp, device, heartbeat_timeout_s=cfg.tp_timeout)
+            self.tp = Group.init(cfg.tp, device, heartbeat_timeout_s=cfg.tp_timeout)
             device = self.tp.device
             progress = progress and self.tp.rank == 0
+        self.models, self.model_dir = load_models(cfg, device, dtype, self.tp, progress)
         self.tokenizer = (Tokenizer.from_dir(self.model_dir)
                           if (self.model_dir / "tiktoken.model").is_file() else None)
-        target = KimiForCausalLM.from_dir(self.model_dir, device, dtype, progress=progress,
-                                          tp=self.tp)
-        drafter = None
-        if cfg.mode != "ar":
-            if draft is None:
-                raise ValueError(f"mode {cfg.mode!r} needs a drafter (--draft DIR)")
-            drafter = DFlashDrafter.from_dir(draft, target.cfg.hidden_size, device, dtype,
-                                             tp=self.tp)
-        self.models = Models(target, drafter, tp=self.tp)
-        mc: ModelConfig = target.cfg
+        target, drafter = self.models.target, self.models.drafter
+        mc = target.cfg
         block = drafter.c.block_size if drafter else 2
         shape = StepShape(cfg.mode, cfg.budget, block, sample=False)
         budgets = None
         if cfg.budget_policy and cfg.mode == "tree":
-            from graphs.policy import load_budgets
+            from engine.policy import load_budgets
 
             budgets = load_budgets(cfg.budget_policy)
         # NOTE: the page table must cover the step that can emit the most, whatever its size.
@@ -125,7 +121,7 @@ class LLM:
         self.pool = KVPool.allocate(
             page_size=cfg.page_size, num_pages=num_pages, target_layers=mc.num_hidden_layers,
             target_dim=mc.kv_cache_dim, draft_layers=drafter.c.num_hidden_layers if drafter else 0,
-            draft_dim=drafter.c.kv_dim if drafter else 0, dtype=dtype, device=device)
+            draft_dim=drafter.kv_dim if drafter else 0, dtype=dtype, device=device)
         self.timer = PhaseTimer()
         self.runner = StepGraphRunner(self.models, self.pool, shape,
                                       max_batch_size=cfg.max_batch_size, max_pages=max_pages,
@@ -138,25 +134,19 @@ class LLM:
         self.models.sparse_moe = not self.runner.use_graphs
         stop_ids = self.tokenizer.stop_ids if self.tokenizer else frozenset(
             [mc.eos_token_id] if mc.eos_token_id is not None else [])
-        sched_kw: dict[str, Any] = dict(
+        runner: Any = self.runner
+        if self.tp is not None and self.tp.is_leader:
+            runner = AnnouncingRunner(self.runner, self.tp)
+        self.scheduler = Scheduler(
+            runner, num_pages=num_pages, page_size=cfg.page_size, vocab_size=mc.vocab_size,
             max_batch_size=cfg.max_batch_size, max_model_len=self.max_model_len,
             stop_ids=stop_ids, detok=self.decode if self.tokenizer else None)
-        if self.tp is not None and self.tp.rank == 0:
-            from engine.parallel import LeaderScheduler
-
-            self.scheduler: Scheduler = LeaderScheduler(self.tp, self.models, self.pool,
-                                                        self.runner, **sched_kw)
-        else:
-            self.scheduler = Scheduler(self.models, self.pool, self.runner, **sched_kw)
         self.stats: dict[str, Any] = {}
         self._next_id = 0
 
     def _attach_prefix_kernels(self, max_pages: int) -> None:
         """On CUDA with flashinfer installed, one planned MLA prefix kernel per captured batch
         size (the runner plans it before each step, outside the graph)."""
-        if self.config.attention not in ("auto", "torch"):
-            raise ValueError(f"attention must be 'auto' or 'torch', got "
-                             f"{self.config.attention!r}")
         if self.config.attention == "torch" or self.pool.target.device.type != "cuda":
             return
         from ops.attention_gpu import FlashInferMLAPrefix, flashinfer_available, prefix_planner
@@ -164,7 +154,7 @@ class LLM:
         if not flashinfer_available():
             return
         mc = self.models.target.cfg
-        heads = self.models.target.model.layers[0].self_attn.cfg.num_attention_heads  # per rank
+        heads = self.models.target.model.layers[0].self_attn.num_heads  # this rank's
         backends = {bs: FlashInferMLAPrefix(
             bs, self.runner.shapes[(bs, False)].num_nodes, max_pages, self.pool.page_size,
             heads, mc.kv_lora_rank, mc.qk_rope_head_dim, mc.softmax_scale, self.pool.target.dtype,
@@ -205,10 +195,13 @@ class LLM:
 
     def generate(self, prompts: Sequence[Prompt],
                  params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 progress: bool = False) -> list[GenerationOutput]:
-        """Generate for every prompt. Under tensor parallelism every rank calls this: rank 0
-        (the leader) runs the requests; the others run rank 0's model calls until it is done
-        and return an empty list (their `prompts` are ignored)."""
+                 progress: bool = False,
+                 on_output: Callable[[GenerationOutput], None] | None = None
+                 ) -> list[GenerationOutput]:
+        """Generate for every prompt; `on_output` sees each result as soon as it is finished
+        (in finishing order). Under tensor parallelism every rank calls this: rank 0 (the
+        leader) runs the requests; the others run rank 0's model calls until it is done and
+        return an empty list (their `prompts` are ignored)."""
         from tqdm import tqdm
 
         if not self.is_leader:
@@ -231,14 +224,19 @@ class LLM:
             self.tp.comm.reset()
         t0 = time.perf_counter()
         bar = tqdm(total=len(reqs), desc="generating", unit="prompt", disable=not progress)
+        index = {r.rid: i for i, r in enumerate(reqs)}
         while self.scheduler.has_work:
             t_step = time.perf_counter()
             events = self.scheduler.step()
-            bar.update(sum(1 for e in events if e.finished))
             self.timer.totals["engine"] += time.perf_counter() - t_step
+            for e in events:
+                if e.finished:
+                    bar.update(1)
+                    if on_output is not None:
+                        on_output(self._output(index[e.req.rid], e.req))
         bar.close()
         if self.tp is not None:
-            self.tp.send(("end",))
+            self.tp.send(End())
         elapsed = time.perf_counter() - t0
         outs = [self._output(i, r) for i, r in enumerate(reqs)]
         n_tok = sum(len(o.token_ids) for o in outs)
@@ -284,9 +282,7 @@ class LLM:
             raise RuntimeError("follow() is for tensor-parallel ranks other than 0")
         if not self._following:
             return False
-        from engine.parallel import follow
-
-        self._following = follow(self.tp, self.models, self.pool, self.runner) == "end"
+        self._following = isinstance(follow(self.tp, self.runner), End)
         return self._following
 
     def close(self) -> None:
@@ -300,7 +296,7 @@ class LLM:
         try:
             if not tp.broken:
                 if tp.rank == 0:
-                    tp.send(("stop",))
+                    tp.send(Stop())
                 else:
                     while self.follow():
                         pass

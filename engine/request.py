@@ -1,11 +1,9 @@
-"""Per-request state, kept on the host (no torch tensors besides the coin generator)."""
+"""Per-request state, kept on the host: plain Python, no torch."""
 
 from __future__ import annotations
 
 import random
 from dataclasses import dataclass, field
-
-import torch
 
 from engine.config import SamplingParams
 
@@ -22,13 +20,13 @@ class Request:
     accept_lengths: list[int] = field(default_factory=list)  # tokens emitted per step
     finish_reason: str | None = None
     text_end: int | None = None  # where a stop string cut the text, if one did
-    generator: torch.Generator = field(init=False, repr=False)
+    rng: random.Random = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
-        # NOTE: one generator per request, so a seeded request draws the same coins whatever
+        # NOTE: one stream per request, so a seeded request draws the same coins whatever
         # else shares its batch.
         seed = self.params.seed if self.params.seed is not None else random.getrandbits(63)
-        self.generator = torch.Generator().manual_seed(seed)
+        self.rng = random.Random(seed)
 
     @property
     def anchor(self) -> int:
@@ -46,8 +44,9 @@ class Request:
         c.output_ids, c.pages, c.cache_len = list(self.output_ids), list(self.pages), self.cache_len
         return c
 
-    def coins(self, n: int) -> torch.Tensor:
-        """`n` uniforms in [0, 1) from this request's own stream (none drawn when greedy)."""
+    def coins(self, n: int) -> list[float]:
+        """`n` uniforms in [0, 1) from this request's own stream (none drawn when greedy).
+        NOTE: 24 random bits each, so every value is exact in float32 and below 1 there too."""
         if self.params.greedy:
-            return torch.zeros(n)
-        return torch.rand(n, generator=self.generator)
+            return [0.0] * n
+        return [self.rng.getrandbits(24) / (1 << 24) for _ in range(n)]

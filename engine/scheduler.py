@@ -1,9 +1,12 @@
-"""Continuous batching of speculative steps.
+"""Continuous batching of speculative steps, in plain Python (no torch).
 
 Each `step()` admits waiting requests (prefill, first token), makes sure every running request
 owns pages for what the next step may write (preempting the newest when the pool runs dry),
 runs one spec step for the whole running batch, and applies the emitted tokens with stop checks
 on the host. Finished requests leave at once and free their pages.
+
+Every model call goes through the runner (`engine.runner.StepGraphRunner`, or anything with its
+`prefill`, `step`, `coins_per_row` and `shape`), which takes host values, not requests.
 """
 
 from __future__ import annotations
@@ -11,35 +14,11 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
-import torch
-
-from engine.kv_cache import BlockAllocator, KVPool, OutOfPages, pages_needed
+from engine.kv_cache import BlockAllocator, OutOfPages, pages_needed
 from engine.request import Request
-from engine.spec import Models, slot_of
-from graphs.runner import StepGraphRunner
-from ops.sampling import sample_from_probs, target_probs
-
-
-def prefill_caches(models: Models, pool: KVPool, ctx: list[int], pages: list[int]
-                   ) -> torch.Tensor:
-    """Causal forward over `ctx` (positions `0 ..`) writing the target's latent rows and the
-    drafter's context K/V into `pages`; returns the last position's logits `[1, 1, V]`."""
-    T = len(ctx)
-    dev = pool.target.device
-    ids = torch.tensor(ctx, device=dev)[None]
-    rows: list[torch.Tensor] = []
-    target, drafter = models.target, models.drafter
-    logits, aux = target(ids, models.aux_layers, sparse_moe=True,
-                         logits_rows=torch.tensor([[T - 1]], device=dev), cache_rows_out=rows)
-    pt = torch.tensor(pages, device=dev)[None]
-    pos = torch.arange(T, device=dev)[None]
-    slots = slot_of(pt, pos, pool.page_size)[0]
-    pool.target[:, slots] = torch.stack([r[0] for r in rows]).to(pool.target.dtype)
-    if drafter is not None:
-        kv = drafter.context_kv(aux[0], pos[0])
-        pool.draft[:, slots] = kv.to(pool.draft.dtype)
-    return logits
+from engine.runner import PrefillInputs, StepInputs
 
 
 def stop_may_end(detok: Callable[[list[int]], str], out: list[int], new: int,
@@ -73,12 +52,20 @@ class StepEvent:
     finished: bool
 
 
+def step_inputs(reqs: Sequence[Request], coins_per_row: int) -> StepInputs:
+    """What a step needs of `reqs`, each drawing `coins_per_row` coins from its stream."""
+    return StepInputs([r.anchor for r in reqs], [r.cache_len for r in reqs],
+                      [list(r.pages) for r in reqs], [r.params for r in reqs],
+                      [r.coins(coins_per_row) for r in reqs])
+
+
 class Scheduler:
-    def __init__(self, models: Models, pool: KVPool, runner: StepGraphRunner, *,
+    def __init__(self, runner: Any, *, num_pages: int, page_size: int, vocab_size: int,
                  max_batch_size: int, max_model_len: int, stop_ids: frozenset[int] = frozenset(),
                  detok: Callable[[list[int]], str] | None = None):
-        self.models, self.pool, self.runner = models, pool, runner
-        self.alloc = BlockAllocator(pool.num_pages, reserved=1)
+        self.runner = runner
+        self.page_size, self.vocab_size = page_size, vocab_size
+        self.alloc = BlockAllocator(num_pages, reserved=1)
         self.max_batch_size = max_batch_size
         self.max_model_len = max_model_len
         self.stop_ids = stop_ids
@@ -99,11 +86,11 @@ class Scheduler:
             raise RequestRejected(f"the prompt has {n} tokens; the context limit is "
                                   f"{self.max_model_len} (prompt plus at least one new token)")
         need = pages_needed(min(n + req.params.max_new_tokens, self.max_model_len)
-                            + self.step_span, self.pool.page_size)
+                            + self.step_span, self.page_size)
         if need > self.alloc.capacity:
             raise RequestRejected(f"the request needs {need} KV pages, the pool has "
                                   f"{self.alloc.capacity}")
-        vocab = self.models.target.cfg.vocab_size
+        vocab = self.vocab_size
         bad = [t for t in req.prompt_ids if not 0 <= t < vocab]
         if bad:
             raise RequestRejected(f"prompt token id {bad[0]} is outside the vocabulary "
@@ -132,37 +119,24 @@ class Scheduler:
         req.cache_len = 0
 
     def _grow(self, req: Request, num_tokens: int) -> None:
-        extra = pages_needed(num_tokens, self.pool.page_size) - len(req.pages)
+        extra = pages_needed(num_tokens, self.page_size) - len(req.pages)
         if extra > 0:
             req.pages += self.alloc.alloc(extra)
 
     # ---- prefill ---------------------------------------------------------------------------------
 
-    @torch.inference_mode()
     def prefill(self, req: Request) -> list[int]:
         """Fill the caches for the request's sequence and return its new tokens (the first
         sampled token for a fresh request, nothing for a recomputed one)."""
         fresh = not req.output_ids
         seq = req.prompt_ids + req.output_ids
         ctx = seq if fresh else seq[:-1]
-        T = len(ctx)
-        self._grow(req, T + self.step_span)
-        dev = self.pool.target.device
-        logits = self.fill_cache(ctx, req.pages)
-        req.cache_len = T
-        if not fresh:
-            return []
-        p = req.params
-        if p.greedy:
-            return [int(logits[0, -1].argmax())]
-        probs = target_probs(logits[:, -1], torch.tensor([float(p.temperature)], device=dev),
-                             torch.tensor([max(p.top_k, 0)], device=dev),
-                             torch.tensor([float(p.top_p)], device=dev))
-        return [int(sample_from_probs(probs, req.coins(1).to(dev))[0])]
-
-    def fill_cache(self, ctx: list[int], pages: list[int]) -> torch.Tensor:
-        """The model part of a prefill (tensor parallelism's leader announces it first)."""
-        return prefill_caches(self.models, self.pool, ctx, pages)
+        self._grow(req, len(ctx) + self.step_span)
+        first = self.runner.prefill(PrefillInputs(
+            ctx, list(req.pages), req.params if fresh else None,
+            req.coins(1)[0] if fresh else 0.0))
+        req.cache_len = len(ctx)
+        return [] if first is None else [first]
 
     # ---- host-side token handling ------------------------------------------------------------
 
@@ -197,7 +171,7 @@ class Scheduler:
         while self.waiting and len(self.running) < self.max_batch_size:
             req = self.waiting[0]
             seq_len = len(req.prompt_ids) + len(req.output_ids)
-            if pages_needed(seq_len + self.step_span, self.pool.page_size) > self.alloc.num_free:
+            if pages_needed(seq_len + self.step_span, self.page_size) > self.alloc.num_free:
                 break
             self.waiting.popleft()
             new = self.prefill(req)
@@ -228,7 +202,9 @@ class Scheduler:
         if not self.running:
             return events
         # 3. the step
-        emitted, accepted = self.runner.step(self.running)
+        batch = self.running
+        emitted, accepted = self.runner.step(
+            step_inputs(batch, self.runner.coins_per_row(len(batch))))
         # 4. apply
         still = []
         for req, toks, acc in zip(self.running, emitted, accepted):

@@ -13,22 +13,19 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
-from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
 from engine.config import MODES
-from engine.kv_cache import KVPool
+from engine.dist import Group
+from engine.kv_cache import DUMMY_PAGE, KVPool
 from engine.models.dflash import DFlashDrafter
 from engine.models.kimi import KimiForCausalLM
 from ops.attention import PrefixKernel, gather_slots
 from ops.sampling import target_probs
 from ops.tree import DDTree, build_ddtree, chain_tree
 from ops.verify import Decision, tree_greedy, tree_sample
-
-if TYPE_CHECKING:
-    from engine.parallel import TensorParallel
 
 
 @dataclass(frozen=True)
@@ -69,6 +66,13 @@ class StepShape:
     def max_emit(self) -> int:
         """S: tokens a step can emit (accepted drafts plus the bonus)."""
         return min(self.num_nodes, self.depth + 1)
+
+
+# The value of each step input in a padding row. NOTE: padding rows have zero context and only
+# the dummy page, so every kernel treats them as ordinary rows while their writes land on the
+# dummy page; they sample greedily (temperature 1, top-k 1) and draw no coins.
+PADDING = {"anchor": 0, "cache_len": 0, "page_table": DUMMY_PAGE, "temperature": 1.0,
+           "top_k": 1, "top_p": 1.0, "coins": 0.0, "final_coins": 0.0}
 
 
 @dataclass
@@ -118,6 +122,10 @@ class StepBuffers:
         return StepBuffers(**{f.name: (getattr(self, f.name)[:, :n] if f.name == "tree_kv"
                                        else getattr(self, f.name)[:n]) for f in fields(self)})
 
+    def inputs(self) -> dict[str, Tensor]:
+        """The per-step inputs the host copies in, by field name."""
+        return {k: getattr(self, k) for k in PADDING}
+
 
 @dataclass
 class Models:
@@ -126,8 +134,8 @@ class Models:
     # Eager runs may send each token only through its chosen experts (cheaper on a CPU); the
     # dispatch has data-dependent shapes, so a captured or fake-tensor step keeps the dense one.
     sparse_moe: bool = False
-    # Tensor parallelism (engine.parallel): this rank's group; None in a single process.
-    tp: TensorParallel | None = None
+    # Tensor parallelism: this rank's group (`engine.dist`); None in a single process.
+    tp: Group | None = None
     # Planned prefix-attention kernels per (padded) batch size (`ops.attention_gpu`, CUDA);
     # sizes without one use the torch prefix pass.
     prefix: dict[int, PrefixKernel] = field(default_factory=dict)
@@ -183,6 +191,15 @@ def build(draft_logits: Tensor | None, buf: StepBuffers, shape: StepShape) -> DD
                   visible=torch.ones(bs, 1, 1, dtype=torch.bool, device=z.device))
 
 
+def broadcast_decision(tp: Group, dec: Decision) -> Decision:
+    """Rank 0's decision on every rank (one fixed-size broadcast, graph-safe)."""
+    S = dec.emit.shape[1]
+    packed = torch.cat([dec.accept_len[:, None], dec.accept_nodes, dec.emit], dim=1)
+    packed = tp.broadcast_(packed.contiguous(), src=0)
+    return Decision(accept_nodes=packed[:, 1:1 + S], accept_len=packed[:, 0],
+                    emit=packed[:, 1 + S:])
+
+
 def decide(logits: Tensor, tree: DDTree, buf: StepBuffers, shape: StepShape) -> Decision:
     L = shape.depth
     if not shape.sample:
@@ -216,6 +233,27 @@ def commit(models: Models, pool: KVPool, buf: StepBuffers, dec: Decision, aux: T
 
 
 @torch.inference_mode()
+def prefill(models: Models, pool: KVPool, ctx: list[int], pages: list[int]) -> Tensor:
+    """Causal forward over `ctx` (positions `0 ..`) writing the target's latent rows and the
+    drafter's context K/V into `pages`; returns the last position's logits `[1, 1, V]`."""
+    T = len(ctx)
+    dev = pool.target.device
+    ids = torch.tensor(ctx, device=dev)[None]
+    rows: list[Tensor] = []
+    target, drafter = models.target, models.drafter
+    logits, aux = target(ids, models.aux_layers, sparse_moe=True,
+                         logits_rows=torch.tensor([[T - 1]], device=dev), cache_rows_out=rows)
+    pt = torch.tensor(pages, device=dev)[None]
+    pos = torch.arange(T, device=dev)[None]
+    slots = slot_of(pt, pos, pool.page_size)[0]
+    pool.target[:, slots] = torch.stack([r[0] for r in rows]).to(pool.target.dtype)
+    if drafter is not None:
+        kv = drafter.context_kv(aux[0], pos[0])
+        pool.draft[:, slots] = kv.to(pool.draft.dtype)
+    return logits
+
+
+@torch.inference_mode()
 def spec_step(models: Models, pool: KVPool, buf: StepBuffers, shape: StepShape,
               timer: Timer = _no_timer) -> None:
     """One speculative step for every row of `buf` (padding rows included)."""
@@ -239,6 +277,6 @@ def spec_step(models: Models, pool: KVPool, buf: StepBuffers, shape: StepShape,
         if models.tp is not None:
             # NOTE: every rank decides from the same gathered logits and coins, but only rank
             # 0's decision is committed anywhere, so rounding can never split the ranks' caches.
-            dec = models.tp.broadcast_decision(dec)
+            dec = broadcast_decision(models.tp, dec)
     with timer("commit"):
         commit(models, pool, buf, dec, aux, shape)

@@ -1,23 +1,27 @@
-"""Safetensors loading of the target model: index, prefixes, FP8/INT4 dequantization, sharding hook.
+"""Safetensors loading, for the target and the drafter alike: the index, prefixes, FP8/INT4
+dequantization, and per-rank pieces.
 
-Tensors are read memory-mapped, one at a time, and moved straight to the target device, so peak
-host memory stays around one tensor rather than one shard.
+Tensors are read memory-mapped, one at a time, and copied straight into the model's parameters
+on the target device, so peak host memory stays around one tensor rather than one shard.
 """
 
 from __future__ import annotations
 
 import json
 import sys
-from collections.abc import Callable
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
-from engine.config import ModelConfig
+from engine.config import Quantization
 from ops.quant import dequant_fp8_block, dequant_int4
+
+if TYPE_CHECKING:
+    from engine.models.layers import Stored
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -25,12 +29,6 @@ SINGLE_FILE = "model.safetensors"
 # Safetensors dtype strings (as `get_slice(...).get_dtype()` reports them) by how we load them.
 _FLOAT_DTYPES = {"F32", "F16", "BF16", "F64"}
 _FP8_DTYPES = {"F8_E4M3", "F8_E5M2"}
-
-# `shard_fn(canonical_name, source) -> Tensor`: `source` supports tensor-style slicing
-# (`source[a:b]`, `source[:, a:b]`, `source[:]`); it is the safetensors slice for plain tensors,
-# and the already dequantized full tensor for INT4/FP8 ones.
-ShardFn = Callable[[str, Any], torch.Tensor]
-
 
 class WeightsError(ValueError):
     """A checkpoint the engine cannot load; the message names the file and/or tensor."""
@@ -102,70 +100,54 @@ class _Reader:
             raise WeightsError(f"{self.index[name]}: cannot read tensor {name!r} ({e})") from e
 
 
-def load_target_weights(
+def load_checkpoint(
     model_dir: str | Path,
-    cfg: ModelConfig,
-    device: str | torch.device = "cpu",
-    dtype: torch.dtype = torch.float32,
+    tensors: Mapping[str, Stored],
     *,
+    prefix: str = "",
+    quant: Quantization | None = None,
     progress: bool = True,
-    shard_fn: ShardFn | None = None,
-) -> dict[str, torch.Tensor]:
-    """Load the text model's weights, dequantized to `dtype`, onto `device`.
-
-    Keys are the names of `cfg.tensor_shapes()` without `cfg.weight_prefix`
-    (`model.embed_tokens.weight`, ..., `lm_head.weight`). `e_score_correction_bias` stays fp32.
-    Tensors the text model does not use (rotary `inv_freq`, vision tower, projector, MTP layers)
-    are skipped. Every tensor's full stored (logical) shape is checked against the config before it
-    is read; `shard_fn`, when given, then picks the piece of each tensor this process keeps (for
-    tensor parallelism), and the returned pieces are not checked against the config.
+) -> None:
+    """Copy every tensor of `tensors` (checkpoint names without `prefix`, see
+    `engine.models.layers.checkpoint_tensors`) from the checkpoint in `model_dir` into its
+    destination: only this rank's piece is read. INT4 pack-quantized and FP8 block tensors are
+    dequantized on the way (whole, then cut). Each tensor's stored shape is checked first;
+    tensors nobody asked for (rotary `inv_freq`, vision tower, projector, MTP layers) are
+    skipped.
     """
     model_dir = Path(model_dir)
     index = checkpoint_index(model_dir)
     reader = _Reader(index)
-    expected = cfg.tensor_shapes()
-    prefix = cfg.weight_prefix
-    q = cfg.quantization
-    group = q.group_size if q is not None and q.method == "int4" else 32
-    block = q.block_size if q is not None and q.method == "fp8" else (128, 128)
-
-    missing = [n for n in expected if n not in index and n + "_packed" not in index]
+    group = quant.group_size if quant is not None and quant.method == "int4" else 32
+    block = quant.block_size if quant is not None and quant.method == "fp8" else (128, 128)
+    names = {prefix + k: k for k in tensors}
+    missing = [n for n in names if n not in index and n + "_packed" not in index]
     if missing:
         more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
         raise WeightsError(
             f"{model_dir}: tensor {missing[0]!r}{more} expected by the config is not in the "
             f"checkpoint"
         )
-
     # Read shard by shard so each memory map is walked front to back.
-    order = sorted(expected, key=lambda n: (index.get(n) or index[n + "_packed"], n))
-    out: dict[str, torch.Tensor] = {}
+    order = sorted(names, key=lambda n: (index.get(n) or index[n + "_packed"], n))
     bar = tqdm(total=len(order), desc="loading weights", unit="tensor", file=sys.stderr,
                disable=not progress)
     try:
-        for name in order:
-            key = name.removeprefix(prefix)
-            want = tuple(expected[name])
-            to = torch.float32 if name.endswith("e_score_correction_bias") else dtype
-            out[key] = _load_one(reader, name, key, want, to, device, group, block, shard_fn)
-            bar.update(1)
+        with torch.no_grad():
+            for name in order:
+                s = tensors[names[name]]
+                s.dest.copy_(_load_one(reader, name, s, group, block))
+                bar.update(1)
     finally:
         bar.close()
-    return out
 
 
-def _load_one(
-    reader: _Reader,
-    name: str,
-    key: str,
-    want: tuple[int, ...],
-    dtype: torch.dtype,
-    device: str | torch.device,
-    group: int,
-    block: tuple[int, int],
-    shard_fn: ShardFn | None,
-) -> torch.Tensor:
+def _load_one(reader: _Reader, name: str, s: Stored, group: int, block: tuple[int, int]
+              ) -> torch.Tensor:
+    """This rank's piece of checkpoint tensor `name`, as described by `s`."""
     where = reader.index.get(name) or reader.index[name + "_packed"]
+    want = s.shape
+    dtype, device = s.dest.dtype, s.dest.device
 
     def shape_error(got: tuple[int, ...], what: str = "shape") -> WeightsError:
         return WeightsError(f"{where}: tensor {name!r} has {what} {got}, the config expects "
@@ -195,7 +177,7 @@ def _load_one(
             raise WeightsError(f"{where}: tensor {name + '_scale'!r} has shape {got_s}, expected "
                                f"{want_s} for logical shape {want} and group size {group}")
         w = dequant_int4(packed_sl[:].to(device), scale_sl[:].to(device), want, group, dtype)
-        return shard_fn(key, w) if shard_fn is not None else w
+        return s.piece(w)
 
     sl = reader.slice(name)
     got = tuple(sl.get_shape())
@@ -213,8 +195,7 @@ def _load_one(
                                f"{tuple(scale_inv.shape)}, expected {want_s} for {want} with "
                                f"block {block}")
         w = dequant_fp8_block(sl[:].to(device), scale_inv.to(device), block, dtype)
-        return shard_fn(key, w) if shard_fn is not None else w
+        return s.piece(w)
     if st_dtype not in _FLOAT_DTYPES:
         raise WeightsError(f"{where}: tensor {name!r} has unsupported dtype {st_dtype}")
-    t = shard_fn(key, sl) if shard_fn is not None else sl[:]
-    return t.to(device=device, dtype=dtype)
+    return s.piece(sl).to(device=device, dtype=dtype)

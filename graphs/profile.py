@@ -15,7 +15,7 @@ Under `torchrun --nproc-per-node N ... --tp N` every rank runs the same steps an
 adds the all-reduce share of the eager step.
 
 `--tune` measures accepted length and step time per (batch size, budget) and writes the budget
-policy table (`graphs.policy`) that maximizes tokens per second at each batch size.
+policy table (`engine.policy`) that maximizes tokens per second at each batch size.
 """
 
 from __future__ import annotations
@@ -30,14 +30,17 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from pydantic import ValidationError
 
-from engine.config import SamplingParams, add_model_args
+from engine.config import EngineConfig, SamplingParams, add_cli_args, error_text, from_cli
+from engine.dist import Group
 from engine.kv_cache import KVPool, pages_needed
-from engine.llm import DTYPES
+from engine.llm import load_models, model_pair, resolve_device
+from engine.policy import DEFAULT_POLICY, write_budgets
 from engine.request import Request
-from engine.spec import Models, StepShape
-from graphs.policy import DEFAULT_POLICY, write_budgets
-from graphs.runner import CaptureError, PhaseTimer, StepGraphRunner
+from engine.runner import CaptureError, PhaseTimer, StepGraphRunner
+from engine.scheduler import Scheduler, step_inputs
+from engine.spec import StepShape
 from graphs.telemetry import Telemetry
 
 PHASES = ("draft", "build", "verify", "decide", "commit")
@@ -57,18 +60,15 @@ def _ints(s: str) -> list[int]:
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m graphs.profile",
                                  description=__doc__.split("\n")[0])
-    add_model_args(ap, budget_policy=False)
+    # NOTE: the engine's own flags, less those this command sets itself per batch size.
+    add_cli_args(ap, EngineConfig, exclude=("budget_policy", "max_batch_size", "max_model_len",
+                                            "kv_pages", "capture_sizes"))
     ap.add_argument("--batch-sizes", type=_ints, default=[1, 2, 4, 8],
                     help="comma-separated batch sizes, each captured and profiled")
     ap.add_argument("--steps", type=int, default=8, help="timed steps per batch size and path")
     ap.add_argument("--warmup", type=int, default=2, help="untimed steps before timing")
     ap.add_argument("--prompt-len", type=int, default=32, help="prefilled tokens per request")
     ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy graphs")
-    ap.add_argument("--page-size", type=int, default=16)
-    ap.add_argument("--device", choices=("cpu", "cuda"), default=None,
-                    help="default: cuda when available")
-    ap.add_argument("--dtype", choices=sorted(DTYPES), default=None,
-                    help="default: bfloat16 on cuda, float32 on cpu")
     ap.add_argument("--threads", type=int, default=None,
                     help="CPU intra-op threads (default on cpu: 1; the step's ops are small and "
                          "extra threads mostly spin)")
@@ -79,9 +79,6 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--tune-budgets", type=_ints, default=[4, 8, 16, 32, 64])
     ap.add_argument("--policy-out", default=str(DEFAULT_POLICY),
                     help="where --tune writes the budget table")
-    ap.add_argument("--tp", type=int, default=1,
-                    help="tensor-parallel ranks (run under torchrun --nproc-per-node N): adds "
-                         "the all-reduce share of the eager step")
     ap.add_argument("--no-progress", action="store_true")
     return ap
 
@@ -92,31 +89,14 @@ def build_parser() -> argparse.ArgumentParser:
 class Bench:
     """Models, one pool for the largest batch, and request factories."""
 
-    def __init__(self, a: argparse.Namespace, device: torch.device, dtype: torch.dtype,
-                 tp: Any = None):
-        from engine.llm import model_pair
-        from engine.models.dflash import DFlashDrafter
-        from engine.models.kimi import KimiForCausalLM
-
-        model, draft = model_pair(a.model, a.draft)
-        if not (model / "config.json").is_file():
-            raise FileNotFoundError(
-                f"{model}: no model here (config.json missing). Pass --model DIR, or write a "
-                f"small random one with `python -m engine.tools.make_tiny --out DIR`.")
-        if a.mode != "ar" and (draft is None or not (draft / "config.json").is_file()):
-            raise FileNotFoundError(
-                f"mode {a.mode!r} needs a drafter: {draft or '(none given)'} has no config.json. "
-                f"Pass --draft DIR (`python -m engine.tools.make_draft --target DIR --out DIR`) "
-                f"or use --mode ar.")
-        self.model_dir, self.draft_dir = model, draft
+    def __init__(self, a: argparse.Namespace, cfg: EngineConfig, device: torch.device,
+                 dtype: torch.dtype, tp: Group | None = None):
+        self.model_dir, self.draft_dir = model_pair(cfg.model, cfg.draft)
         self.device, self.dtype = device, dtype
         # NOTE: under tensor parallelism every rank runs this same script (same prompts, same
         # steps), so the ranks' collectives line up without a leader.
-        target = KimiForCausalLM.from_dir(model, device, dtype, progress=not a.no_progress,
-                                          tp=tp)
-        drafter = (DFlashDrafter.from_dir(draft, target.cfg.hidden_size, device, dtype, tp=tp)
-                   if a.mode != "ar" else None)
-        self.models = Models(target, drafter, tp=tp)
+        self.models, _ = load_models(cfg, device, dtype, tp, progress=not a.no_progress)
+        target, drafter = self.models.target, self.models.drafter
         self.a = a
         self.block = drafter.c.block_size if drafter else 2
         budgets = a.tune_budgets if a.tune else []
@@ -133,7 +113,7 @@ class Bench:
             page_size=a.page_size, num_pages=1 + max(a.batch_sizes) * self.max_pages,
             target_layers=c.num_hidden_layers, target_dim=c.kv_cache_dim,
             draft_layers=drafter.c.num_hidden_layers if drafter else 0,
-            draft_dim=drafter.c.kv_dim if drafter else 0, dtype=dtype, device=device)
+            draft_dim=drafter.kv_dim if drafter else 0, dtype=dtype, device=device)
         g = torch.Generator().manual_seed(a.seed)
         self.prompts = torch.randint(0, c.vocab_size, (max(a.batch_sizes), a.prompt_len),
                                      generator=g).tolist()
@@ -149,17 +129,15 @@ class Bench:
 
     def requests(self, bs: int, runner: StepGraphRunner) -> list[Request]:
         """`bs` prefilled requests on fresh pages (the pool is reused batch after batch)."""
-        from engine.scheduler import Scheduler
-
         a = self.a
-        params = SamplingParams(temperature=a.temperature, seed=a.seed, max_new_tokens=1 << 20)
         # a fresh scheduler (and allocator) per batch: the pool is reused batch after batch
-        sch = Scheduler(self.models, self.pool, runner, max_batch_size=bs,
+        sch = Scheduler(runner, num_pages=self.pool.num_pages, page_size=self.pool.page_size,
+                        vocab_size=self.models.target.cfg.vocab_size, max_batch_size=bs,
                         max_model_len=self.tokens + self.span)
         reqs = []
         for i in range(bs):
-            r = Request(i, list(self.prompts[i]), SamplingParams(**{**params.__dict__,
-                                                                    "seed": a.seed + i}))
+            r = Request(i, list(self.prompts[i]), SamplingParams(
+                temperature=a.temperature, seed=a.seed + i, max_new_tokens=1 << 20))
             r.output_ids += sch.prefill(r)
             sch._grow(r, self.tokens)
             reqs.append(r)
@@ -188,7 +166,7 @@ def _run(runner: StepGraphRunner, reqs: list[Request], warmup: int, steps: int,
                 tp.comm.reset()
         _sync(device)
         t0 = time.perf_counter()
-        out, acc = runner.step(reqs)
+        out, acc = runner.step(step_inputs(reqs, runner.coins_per_row(len(reqs))))
         dt = time.perf_counter() - t0
         for r, toks, a in zip(reqs, out, acc):
             r.cache_len += a + 1
@@ -290,32 +268,34 @@ def tune(bench: Bench, graphs: bool, tel: Telemetry, progress: bool) -> list[dic
 
 def main(argv: list[str] | None = None) -> int:
     a = build_parser().parse_args(argv)
+    try:
+        cfg = from_cli(EngineConfig, a)
+    except ValidationError as e:
+        print(f"error: {error_text(e)}", file=sys.stderr)
+        return 2
     if a.mode != "tree" and a.tune:
         print("error: --tune chooses tree budgets; use --mode tree", file=sys.stderr)
         return 2
     if a.steps < 1 or a.prompt_len < 1 or a.budget < 1:
         print("error: --steps, --prompt-len and --budget must be >= 1", file=sys.stderr)
         return 2
-    cuda = torch.cuda.is_available()
-    device = torch.device(a.device or ("cuda" if cuda else "cpu"))
-    if device.type == "cuda" and not cuda:
-        print("error: --device cuda, but CUDA is not available", file=sys.stderr)
+    try:
+        device, dtype = resolve_device(cfg)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
         return 2
-    dtype = DTYPES[a.dtype or ("bfloat16" if device.type == "cuda" else "float32")]
     graphs = device.type == "cuda"
     progress = not a.no_progress
     if a.threads or device.type == "cpu":
         torch.set_num_threads(a.threads or 1)
     tp = None
     try:
-        if a.tp != 1:
-            from engine.parallel import TensorParallel
-
-            tp = TensorParallel.init(a.tp, device)
+        if cfg.tp != 1:
+            tp = Group.init(cfg.tp, device, heartbeat_timeout_s=cfg.tp_timeout)
             device = tp.device
             progress = progress and tp.rank == 0
             a.no_progress = not progress
-        bench = Bench(a, device, dtype, tp)
+        bench = Bench(a, cfg, device, dtype, tp)
     except (FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

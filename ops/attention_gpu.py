@@ -119,10 +119,11 @@ def merge_states_flashinfer(o1: Tensor, lse1: Tensor, o2: Tensor, lse2: Tensor) 
 
 
 def prefix_planner(backends: dict[int, FlashInferMLAPrefix]):
-    """A `graphs.runner` planner: before each step (and each capture), plan the backend of the
-    step's batch size from the page table and context lengths the step is about to read."""
+    """A step runner's planner: before each step (and each capture), plan the backend of the
+    step's batch size from the host copies of the page table `[bs, W]` and context lengths
+    `[bs]` the step is about to read."""
 
-    def plan(buf, shape) -> None:
-        backends[buf.anchor.shape[0]].plan(buf.page_table, buf.cache_len)
+    def plan(page_table: Tensor, cache_len: Tensor) -> None:
+        backends[page_table.shape[0]].plan(page_table, cache_len)
 
     return plan

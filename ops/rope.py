@@ -9,7 +9,8 @@ import torch
 from torch import Tensor
 
 
-def _m(scale: float, mscale: float) -> float:
+def yarn_m(scale: float, mscale: float) -> float:
+    """YaRN's magnitude correction `0.1 * mscale * ln(scale) + 1` (1 when not scaling up)."""
     return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
 
 
@@ -52,7 +53,7 @@ def rope_frequencies(
     amp = scaling.get("attention_factor")
     if amp is None:
         ms, ms_all = scaling.get("mscale"), scaling.get("mscale_all_dim")
-        amp = _m(factor, ms) / _m(factor, ms_all) if ms and ms_all else _m(factor, 1.0)
+        amp = yarn_m(factor, ms) / yarn_m(factor, ms_all) if ms and ms_all else yarn_m(factor, 1.0)
     return inv_freq, float(amp)
 
 

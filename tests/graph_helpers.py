@@ -14,11 +14,11 @@ from engine.kv_cache import KVPool, pages_needed
 from engine.models.dflash import DFlashDrafter
 from engine.models.kimi import KimiForCausalLM
 from engine.request import Request
-from engine.scheduler import Scheduler
+from engine.runner import StepGraphRunner
+from engine.scheduler import Scheduler, step_inputs
 from engine.spec import Models, StepShape
 from engine.tools.make_draft import make_draft
 from engine.tools.make_tiny import make_tiny
-from graphs.runner import StepGraphRunner
 
 BLOCK = 4
 PAGE = 4
@@ -46,7 +46,7 @@ def make_pool(models: Models, num_pages: int = 64, device: str = "cpu") -> KVPoo
     c, d = models.target.cfg, models.drafter
     return KVPool.allocate(page_size=PAGE, num_pages=num_pages, target_layers=c.num_hidden_layers,
                            target_dim=c.kv_cache_dim, draft_layers=d.c.num_hidden_layers,
-                           draft_dim=d.c.kv_dim, device=device)
+                           draft_dim=d.kv_dim, device=device)
 
 
 def clone_pool(pool: KVPool) -> KVPool:
@@ -65,7 +65,9 @@ def prefilled(models: Models, pool: KVPool, shape: StepShape, prompts: list[list
     """Requests whose prompts are prefilled into `pool`, each owning pages for `steps` more
     steps (the first token comes from the prefill)."""
     runner = runner_for(models, pool, shape, [len(prompts)])
-    sch = Scheduler(models, pool, runner, max_batch_size=len(prompts), max_model_len=MAX_LEN)
+    sch = Scheduler(runner, num_pages=pool.num_pages, page_size=pool.page_size,
+                    vocab_size=models.target.cfg.vocab_size, max_batch_size=len(prompts),
+                    max_model_len=MAX_LEN)
     reqs = []
     for i, (p, sp) in enumerate(zip(prompts, params)):
         r = Request(i, list(p), sp)
@@ -86,13 +88,19 @@ class StepRecord:
     accepted: list[list[int]]
 
 
+def step(runner: StepGraphRunner, reqs: list[Request], pad: bool = True
+         ) -> tuple[list[list[int]], list[int]]:
+    """One runner step over `reqs`, with their inputs made as the scheduler makes them."""
+    return runner.step(step_inputs(reqs, runner.coins_per_row(len(reqs))), pad=pad)
+
+
 def run_steps(runner: StepGraphRunner, reqs: list[Request], steps: int,
               pad: bool = True) -> StepRecord:
     """`steps` steps, applying each step's tokens the way the scheduler does."""
     rec = StepRecord([], [])
     reqs = copy.copy(reqs)
     for _ in range(steps):
-        emitted, accepted = runner.step(reqs, pad=pad)
+        emitted, accepted = step(runner, reqs, pad)
         rec.emitted.append(emitted)
         rec.accepted.append(accepted)
         for r, toks, a in zip(reqs, emitted, accepted):

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from engine.models.dflash import DFlashDrafter, DraftConfig
+from engine.config import DraftConfig
+from engine.models.dflash import DFlashDrafter
 from engine.tools.make_draft import draft_config
 from engine.tools.make_tiny import make_tiny
 

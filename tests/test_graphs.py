@@ -10,9 +10,9 @@ from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicO
 import engine.spec as spec
 from engine.config import SamplingParams
 from engine.kv_cache import DUMMY_PAGE
+from engine.policy import PolicyError, budgets_for_sizes, load_budgets, write_budgets
+from engine.runner import CaptureError, default_capture_sizes
 from engine.spec import StepBuffers, StepShape, spec_step
-from graphs.policy import PolicyError, budgets_for_sizes, load_budgets, write_budgets
-from graphs.runner import CaptureError, default_capture_sizes
 from tests.fakeguard import run_on_fake
 from tests.graph_helpers import (
     BLOCK,
@@ -26,6 +26,7 @@ from tests.graph_helpers import (
     request_slots,
     run_steps,
     runner_for,
+    step,
     write_pair,
 )
 from tests.spec_helpers import use_oracle
@@ -214,7 +215,7 @@ def test_runner_with_budget_policy(models):
     assert runner.buffers[1].coins.shape[1] == 13 and runner.buffers[4].coins.shape[1] == 4
     assert runner.shape.max_emit == max(s.max_emit for s in runner.shapes.values())
     reqs = prefilled(models, pool, shape, PROMPTS, _params(False))
-    emitted, accepted = runner.step(reqs)  # padded to 4: budget 3
+    emitted, accepted = step(runner, reqs)  # padded to 4: budget 3
     assert len(emitted) == 3 and all(len(e) == a + 1 for e, a in zip(emitted, accepted))
     # no policy: one budget everywhere (the default behaviour)
     plain = runner_for(models, pool, shape, [1, 2, 4])
@@ -229,18 +230,19 @@ def test_shipped_budget_policy_reads():
     assert policy and all(b >= 1 for b in policy.values())
 
 
-def test_planner_runs_outside_the_step_with_the_loaded_buffers(models):
+def test_planner_runs_outside_the_step_with_the_loaded_host_inputs(models):
     shape = StepShape("tree", 6, BLOCK, False)
     pool = make_pool(models)
     calls = []
 
-    def planner(buf, shp):
-        calls.append((buf.anchor.shape[0], buf.cache_len.tolist(), shp.sample))
+    def planner(page_table, cache_len):
+        calls.append((page_table.device.type, page_table[:, 0].tolist(), cache_len.tolist()))
 
     runner = runner_for(models, pool, shape, [4], planner=planner)
     reqs = prefilled(models, pool, shape, PROMPTS, _params(False))
-    runner.step(reqs)
-    assert calls == [(4, [r.cache_len for r in reqs] + [0], False)]
+    step(runner, reqs)
+    assert calls == [("cpu", [r.pages[0] for r in reqs] + [DUMMY_PAGE],
+                      [r.cache_len for r in reqs] + [0])]
 
 
 def test_llm_budget_policy_keeps_greedy_output(tmp_path, monkeypatch):

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hf_models import CONFIGS, make_hf_model
 
 from engine.kv_cache import KVPool
 from engine.models.kimi import KimiForCausalLM
 from engine.spec import slot_of
+from tests.hf_models import CONFIGS, make_hf_model
 
 
 @pytest.fixture(scope="module", params=sorted(CONFIGS))
@@ -99,7 +99,6 @@ def test_int4_experts_model_matches_dequantized_model(tmp_path):
 
     from engine.config import ModelConfig
     from engine.tools.make_tiny import make_tiny, save_checkpoint
-    from engine.weights import load_target_weights
     from ops.quant import dequant_int4
 
     q = make_tiny(tmp_path / "q", dtype="fp32", int4_experts=True)
@@ -124,7 +123,7 @@ def test_int4_experts_model_matches_dequantized_model(tmp_path):
     b = KimiForCausalLM.from_dir(tmp_path / "p", progress=False)
     ids = torch.randint(0, cfg.vocab_size, (1, 19), generator=torch.Generator().manual_seed(1))
     assert torch.equal(a(ids)[0], b(ids)[0])
-    assert load_target_weights(q, cfg, progress=False).keys() == plain.keys()
+    assert a.checkpoint_tensors().keys() == plain.keys()
 
 
 def test_joint_attention_equals_prefix_tree_merge():

@@ -15,17 +15,18 @@ from pathlib import Path
 
 import pytest
 import torch
-from spec_helpers import TARGETS, make_pair, oracle_draft
 
 import engine.spec as spec
 from engine import LLM, SamplingParams
-from engine.config import ModelConfig
+from engine.config import DraftConfig, ModelConfig
+from engine.dist import Group
 from engine.generate import main as generate_main
-from engine.models.dflash import DFlashDrafter, DraftConfig
+from engine.models.dflash import DFlashDrafter
 from engine.models.kimi import KimiForCausalLM
-from engine.parallel import TensorParallel, param_bytes, split_dims
+from engine.models.layers import checkpoint_tensors, param_bytes
 from engine.tools.make_draft import make_draft
 from engine.tools.make_tiny import make_tiny
+from tests.spec_helpers import TARGETS, make_pair, oracle_draft
 
 REPO = Path(__file__).resolve().parent.parent
 TESTS = Path(__file__).resolve().parent
@@ -255,18 +256,19 @@ def test_tp_equals_single_process_bundled(tmp_path):
 # ---- sharding rules, in-process (no process group needed) ----------------------------------
 
 
-def _tp(rank: int, world: int) -> TensorParallel:
-    return TensorParallel(rank, world, torch.device("cpu"), group=None, control=None)
-
-
 def test_split_plan_and_shards(pair):
+    """A rank's model is built with its share of every split tensor; each tensor says which
+    dimension it splits (so the loader reads only that piece) and the checkpoint's whole
+    shape."""
     model, draft = pair
     cfg = ModelConfig.from_dir(model)
-    tp = _tp(1, 2)
+    tp = Group(1, 2)
     with torch.device("meta"):
-        m = tp.build_target(KimiForCausalLM, cfg)
-    dims = split_dims(m)
-    assert m.cfg is cfg and m.model.layers[0].self_attn.cfg.num_attention_heads == 2
+        m = KimiForCausalLM(cfg, tp)
+        whole = KimiForCausalLM(cfg).checkpoint_tensors()
+    t = m.checkpoint_tensors()
+    assert m.model.layers[0].self_attn.num_heads == 2
+    dims = {n: s.dim for n, s in t.items() if s.dim is not None}
     assert dims["model.layers.0.self_attn.q_b_proj.weight"] == 0
     assert dims["model.layers.0.self_attn.kv_b_proj.weight"] == 0
     assert dims["model.layers.0.self_attn.o_proj.weight"] == 1
@@ -278,38 +280,49 @@ def test_split_plan_and_shards(pair):
                        "model.layers.1.mlp.gate.weight", "model.norm.weight",
                        "model.layers.0.input_layernorm.weight"):
         assert replicated not in dims
-    w = torch.arange(24.0).view(4, 6)
-    fn = tp.shard_fn(m)
-    assert torch.equal(fn("model.layers.0.self_attn.o_proj.weight", w), w[:, 3:])
-    assert torch.equal(fn("model.layers.0.self_attn.q_b_proj.weight", w), w[2:])
-    assert torch.equal(fn("model.norm.weight", w), w)
+    for name, s in t.items():
+        assert s.shape == whole[name].shape, name
+        local = list(s.shape)
+        if s.dim is not None:
+            local[s.dim] //= 2
+        assert tuple(s.dest.shape) == tuple(local), name
+    for name, want in (("model.layers.0.self_attn.o_proj.weight", lambda w, n: w[:, n:]),
+                       ("model.layers.0.self_attn.q_b_proj.weight", lambda w, n: w[n:]),
+                       ("model.norm.weight", lambda w, n: w)):
+        s = t[name]
+        w = torch.randn(s.shape)
+        assert torch.equal(s.piece(w), want(w, s.shape[s.dim or 0] // 2)), name
     # the drafter splits at 2 (4 heads, 2 KV heads) and stays whole at 4
     c = DraftConfig.from_dir(draft)
-    d2 = tp.build_drafter(DFlashDrafter, c, cfg.hidden_size)
-    assert d2.c.num_key_value_heads == c.num_key_value_heads // 2 and split_dims(d2)
-    assert not split_dims(_tp(0, 4).build_drafter(DFlashDrafter, c, cfg.hidden_size))
-    full = tp.full_shapes(d2)
-    assert full["layers.0.self_attn.k_proj.weight"] == \
+    with torch.device("meta"):
+        d2 = DFlashDrafter(c, cfg.hidden_size, tp)
+        d4 = DFlashDrafter(c, cfg.hidden_size, Group(0, 4))
+    assert d2.layers[0].self_attn.num_kv_heads == c.num_key_value_heads // 2
+    assert d2.kv_dim == c.kv_dim // 2 and d4.kv_dim == c.kv_dim
+    assert any(s.dim is not None for s in checkpoint_tensors(d2).values())
+    assert all(s.dim is None or s.world == 1 for s in checkpoint_tensors(d4).values())
+    assert checkpoint_tensors(d2)["layers.0.self_attn.k_proj.weight"].shape == \
         tuple(DFlashDrafter(c, cfg.hidden_size).state_dict()["layers.0.self_attn.k_proj.weight"]
               .shape)
 
 
 def test_indivisible_shapes_are_named(pair):
     cfg = ModelConfig.from_dir(pair[0])
-    with pytest.raises(ValueError, match="num_attention_heads 4 is not divisible by the "
-                                         "tensor-parallel size 3"):
-        _tp(0, 3).local_target_config(cfg)
+    with torch.device("meta"), pytest.raises(ValueError, match="num_attention_heads 4 is not "
+                                                               "divisible by the tensor-parallel "
+                                                               "size 3"):
+        KimiForCausalLM(cfg, Group(0, 3))
 
 
 def test_tp_needs_torchrun(monkeypatch):
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     with pytest.raises(ValueError, match="needs 2 processes started by torchrun"):
-        TensorParallel.init(2)
+        Group.init(2)
 
 
 def test_presets_are_engine_configs():
     tomllib = pytest.importorskip("tomllib")
-    from engine.llm import EngineConfig
+    from engine.config import EngineConfig
 
     for name in ("tp8-nvlink.toml", "tp8-pcie.toml"):
         cfg = EngineConfig(**tomllib.loads((REPO / "configs" / name).read_text())["engine"])

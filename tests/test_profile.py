@@ -6,8 +6,8 @@ import json
 
 import torch
 
+from engine.policy import load_budgets
 from graphs import profile
-from graphs.policy import load_budgets
 from tests.graph_helpers import write_pair
 
 

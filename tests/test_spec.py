@@ -7,9 +7,9 @@ import math
 import pytest
 import torch
 from scipy import stats
-from spec_helpers import TARGETS, make_pair, use_oracle
 
 from engine import LLM, SamplingParams
+from tests.spec_helpers import TARGETS, make_pair, use_oracle
 
 PROMPT_LENS = [1, 200, 7, 64, 33, 120]
 GREEDY = SamplingParams(max_new_tokens=48, ignore_eos=True)

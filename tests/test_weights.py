@@ -10,9 +10,11 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from engine.config import ConfigError, ModelConfig
+from engine.dist import Group
+from engine.models.kimi import KimiForCausalLM
 from engine.tools.make_tiny import main as make_tiny_main
 from engine.tools.make_tiny import make_tiny, random_state_dict, save_checkpoint, tiny_config
-from engine.weights import WeightsError, checkpoint_index, load_target_weights
+from engine.weights import WeightsError, checkpoint_index
 from ops.quant import dequant_fp8_block, dequant_int4
 
 SEED = 7
@@ -28,7 +30,9 @@ def _raw(model_dir: Path) -> dict[str, torch.Tensor]:
 
 
 def _load(model_dir: Path, **kw) -> dict[str, torch.Tensor]:
-    return load_target_weights(model_dir, ModelConfig.from_dir(model_dir), progress=False, **kw)
+    """Every checkpoint tensor as the loaded model holds it, by name (without the prefix)."""
+    model = KimiForCausalLM.from_dir(model_dir, progress=False, **kw)
+    return {name: s.dest for name, s in model.checkpoint_tensors().items()}
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +73,8 @@ def _rewrite(src: Path, dst: Path, tensors: dict[str, torch.Tensor]) -> Path:
 
 def test_single_file_matches_written_weights(ckpts, single_weights) -> None:
     cfg = ModelConfig.from_dir(ckpts["single"])
-    shapes = cfg.tensor_shapes()
+    with torch.device("meta"):
+        shapes = {k: s.shape for k, s in KimiForCausalLM(cfg).checkpoint_tensors().items()}
     assert set(single_weights) == set(shapes)
     ref = random_state_dict(cfg, SEED)
     for name, t in single_weights.items():
@@ -153,31 +158,34 @@ def test_kimi_k25_wrapper_skips_vision_and_extra_tensors(ckpts, single_weights, 
                         dtype=torch.float32)
     cfg = ModelConfig.from_dir(d)
     assert cfg.weight_prefix == "language_model."
-    w = load_target_weights(d, cfg, progress=False)
+    w = _load(d)
     assert w.keys() == single_weights.keys()
     for name, t in w.items():
         assert torch.equal(t, single_weights[name]), name
 
 
-def test_shard_fn_picks_pieces(ckpts, single_weights) -> None:
-    seen: list[str] = []
-
-    def rows_0_2(name: str, src) -> torch.Tensor:
-        seen.append(name)
-        return src[0:2]
-
+def test_a_rank_loads_only_its_pieces(ckpts, single_weights) -> None:
+    """Rank 1 of 2 holds the second half of every split tensor (rows or columns, by the
+    layer's rule), the whole of every replicated one; quantized tensors alike."""
+    p = "model.layers.1."
+    second = [("lm_head.weight", 0), ("model.embed_tokens.weight", 0),
+              (p + "self_attn.q_b_proj.weight", 0), (p + "self_attn.o_proj.weight", 1),
+              (p + "mlp.experts.2.up_proj.weight", 0), (p + "mlp.experts.2.down_proj.weight", 1),
+              (p + "mlp.shared_experts.gate_proj.weight", 0)]
+    whole = [p + "self_attn.q_a_proj.weight", p + "self_attn.kv_a_proj_with_mqa.weight",
+             p + "mlp.gate.weight", "model.norm.weight"]
     for d in (ckpts["single"], ckpts["int4"]):
-        seen.clear()
-        w = _load(d, shard_fn=rows_0_2)
-        assert sorted(seen) == sorted(single_weights)  # canonical names, no prefix
-        assert torch.equal(w["lm_head.weight"], single_weights["lm_head.weight"][0:2])
-        full = _load(d)
-        name = "model.layers.1.mlp.experts.2.up_proj.weight"
-        assert torch.equal(w[name], full[name][0:2])
+        w, full = _load(d, tp=Group(1, 2)), _load(d)
+        assert w.keys() == single_weights.keys()  # checkpoint names, no prefix
+        for name, dim in second:
+            n = full[name].shape[dim] // 2
+            assert torch.equal(w[name], full[name].narrow(dim, n, n)), name
+        for name in whole:
+            assert torch.equal(w[name], full[name]), name
 
 
 def test_progress_bar_on_stderr(ckpts, capsys) -> None:
-    load_target_weights(ckpts["single"], ModelConfig.from_dir(ckpts["single"]), progress=True)
+    KimiForCausalLM.from_dir(ckpts["single"], progress=True)
     assert "loading weights" in capsys.readouterr().err
 
 

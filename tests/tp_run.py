@@ -16,11 +16,11 @@ import sys
 from pathlib import Path
 
 import torch
-from spec_helpers import oracle_draft
 
 import engine.spec as spec_module
 from engine import LLM, SamplingParams
-from engine.parallel import param_bytes
+from engine.models.layers import param_bytes
+from tests.spec_helpers import oracle_draft
 
 
 def main() -> None:

@@ -1,159 +1,143 @@
 """The target model: Kimi K2 / DeepSeek-V3 (MLA with YaRN, noaux_tc MoE with a shared expert).
 
-Module names mirror the checkpoint's tensor names, so `state_dict()` is a checkpoint and a
-checkpoint is a `state_dict()`. Two attention forms:
+Module names mirror the checkpoint's tensor names (`engine.models.layers.checkpoint_tensors`
+lists them, with the shapes the checkpoint must have), and each layer is built with this rank's
+share of the heads and intermediate dimensions (`tp`), so a rank loads only its pieces. Two
+attention forms:
 
-- `forward` / `prefill`: the naive form (keys and values expanded per head), causal;
+- `forward`: the naive form (keys and values expanded per head), causal (prefill, training);
 - `verify`: the absorbed form over the latent cache (`kv_lora_rank + qk_rope_head_dim` values per
   token per layer), for any number of query tokens with an explicit visibility mask among them:
   decode is one query, the tree verify is `N` queries under the ancestor mask.
+
+Under tensor parallelism (Megatron's split): query heads are split (`q_b_proj`, `kv_b_proj` by
+output rows, `o_proj` by input columns) while the latent projections, their norms and the router
+are replicated, so every rank holds the whole latent cache and routes identically; the dense
+MLP, the shared expert and every routed expert split their intermediate dimension; two
+all-reduces per layer (after `o_proj`, after the MLP or MoE output); embedding and LM head split
+the vocabulary.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from engine.config import ModelConfig
+from engine.dist import Group
+from engine.models.layers import (
+    MLP,
+    ColumnParallelLinear,
+    ExpertBank,
+    Linear,
+    ParallelLMHead,
+    RMSNorm,
+    RowParallelLinear,
+    Stored,
+    VocabParallelEmbedding,
+    checkpoint_tensors,
+)
+from engine.weights import load_checkpoint
 from ops.attention import PrefixKernel, absorbed_attention, joint_mask, mla_naive
-from ops.moe import dense_is_cheaper, experts_dense, experts_sparse, route_noaux_tc
+from ops.moe import dense_is_cheaper, route_noaux_tc
 from ops.rope import apply_rope_interleaved, rope_cos_sin, rope_frequencies
 
-if TYPE_CHECKING:
-    from engine.parallel import TensorParallel
 
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: Tensor) -> Tensor:
-        if x.dtype == self.weight.dtype == torch.float32:
-            # The same math as below in one op (fewer launches per step).
-            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
-
-
-def _linear(i: int, o: int) -> nn.Linear:
-    return nn.Linear(i, o, bias=False)
-
-
-class MLP(nn.Module):
-    def __init__(self, hidden: int, inter: int):
-        super().__init__()
-        self.gate_proj, self.up_proj = _linear(hidden, inter), _linear(hidden, inter)
-        self.down_proj = _linear(inter, hidden)
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+# (attention module, normed hidden states, layer index) -> (attention output, extra)
+Attend = Callable[[Any, Tensor, int], tuple[Tensor, Any]]
 
 
 class Router(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
+        self.cfg = cfg
         self.weight = nn.Parameter(torch.zeros(cfg.n_routed_experts, cfg.hidden_size))
         # NOTE: the correction bias only selects experts; it stays fp32 whatever the model dtype.
         self.register_buffer("e_score_correction_bias", torch.zeros(cfg.n_routed_experts))
 
+    def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """`x [T, H]` -> chosen experts and their weights, both `[T, k]`."""
+        c = self.cfg
+        logits = F.linear(x.float(), self.weight.float())
+        return route_noaux_tc(logits, self.e_score_correction_bias, c.num_experts_per_tok,
+                              c.n_group, c.topk_group, c.norm_topk_prob, c.routed_scaling_factor)
+
 
 class MoE(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, tp: Group | None = None):
         super().__init__()
-        self.cfg = cfg
+        self.cfg, self.tp = cfg, tp
+        where = cfg.source or "model config"
+        if tp is not None:
+            tp.divide(cfg.moe_intermediate_size, "moe_intermediate_size", where)
         self.gate = Router(cfg)
-        self.experts = nn.ModuleList(
-            MLP(cfg.hidden_size, cfg.moe_intermediate_size) for _ in range(cfg.n_routed_experts))
+        self.experts = ExpertBank(cfg.n_routed_experts, cfg.hidden_size,
+                                  cfg.moe_intermediate_size, tp)
+        # NOTE: no reduce inside: routed and shared experts are summed, then reduced once.
         self.shared_experts = (
-            MLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts)
-            if cfg.n_shared_experts else None)
-        self._w13: Tensor | None = None
-        self._w2: Tensor | None = None
+            MLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts, tp,
+                reduce=False) if cfg.n_shared_experts else None)
 
-    def pack(self) -> None:
-        """Stack expert weights for batched dispatch (inference). The per-expert parameters
-        become views of the stacks, so nothing is stored twice."""
-        w13 = torch.stack([torch.cat([e.gate_proj.weight, e.up_proj.weight]) for e in self.experts])
-        w2 = torch.stack([e.down_proj.weight for e in self.experts])
-        inter = self.cfg.moe_intermediate_size
-        for i, e in enumerate(self.experts):
-            e.gate_proj.weight.data = w13[i, :inter]
-            e.up_proj.weight.data = w13[i, inter:]
-            e.down_proj.weight.data = w2[i]
-        self._w13, self._w2 = w13, w2
-
-    def _stacks(self) -> tuple[Tensor, Tensor]:
-        if self._w13 is not None:
-            return self._w13, self._w2
-        # Training: differentiable stacks rebuilt each call.
-        w13 = torch.stack([torch.cat([e.gate_proj.weight, e.up_proj.weight]) for e in self.experts])
-        return w13, torch.stack([e.down_proj.weight for e in self.experts])
-
-    def forward(self, x: Tensor, sparse: bool = False, loads: list[Tensor] | None = None
-                ) -> Tensor:
-        """`loads`, when a list, receives this layer's tokens per expert (training)."""
-        c = self.cfg
+    def forward(self, x: Tensor, sparse: bool = False) -> Tensor:
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
-        logits = F.linear(x2.float(), self.gate.weight.float())
-        idx, w = route_noaux_tc(logits, self.gate.e_score_correction_bias, c.num_experts_per_tok,
-                                c.n_group, c.topk_group, c.norm_topk_prob, c.routed_scaling_factor)
-        if loads is not None:
-            loads.append(torch.bincount(idx.reshape(-1), minlength=c.n_routed_experts).float())
-        w13, w2 = self._stacks()
-        y = (experts_sparse if sparse else experts_dense)(x2, idx, w, w13, w2)
+        idx, w = self.gate(x2)
+        y = self.experts(x2, idx, w, sparse)
         if self.shared_experts is not None:
             y = y + self.shared_experts(x2)
+        if self.tp is not None:
+            y = self.tp.all_reduce(y)
         return y.view(shape)
 
 
 class MLA(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, tp: Group | None = None):
         super().__init__()
         self.cfg = cfg
         H, nh = cfg.hidden_size, cfg.num_attention_heads
+        self.num_heads = nh if tp is None else tp.divide(nh, "num_attention_heads",
+                                                         cfg.source or "model config")
         if cfg.q_lora_rank:
-            self.q_a_proj = _linear(H, cfg.q_lora_rank)
+            self.q_a_proj = Linear(H, cfg.q_lora_rank)
             self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, 1e-6)
-            self.q_b_proj = _linear(cfg.q_lora_rank, nh * cfg.qk_head_dim)
+            self.q_b_proj = ColumnParallelLinear(cfg.q_lora_rank, nh * cfg.qk_head_dim, tp)
         else:
-            self.q_proj = _linear(H, nh * cfg.qk_head_dim)
-        self.kv_a_proj_with_mqa = _linear(H, cfg.kv_cache_dim)
+            self.q_proj = ColumnParallelLinear(H, nh * cfg.qk_head_dim, tp)
+        self.kv_a_proj_with_mqa = Linear(H, cfg.kv_cache_dim)
         self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, 1e-6)
-        self.kv_b_proj = _linear(cfg.kv_lora_rank, nh * (cfg.qk_nope_head_dim + cfg.v_head_dim))
-        self.o_proj = _linear(nh * cfg.v_head_dim, H)
+        self.kv_b_proj = ColumnParallelLinear(
+            cfg.kv_lora_rank, nh * (cfg.qk_nope_head_dim + cfg.v_head_dim), tp)
+        self.o_proj = RowParallelLinear(nh * cfg.v_head_dim, H, tp)
         self.scale = cfg.softmax_scale
 
-    def latents(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """`x [..., H]` -> `q [..., nh, qk_head_dim]` (rope part rotated) and the cache row
+    def latents(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+        """`x [..., H]` -> `q [..., heads, qk_head_dim]` (rope part rotated) and the cache row
         `[..., R + P]` (normalized `c_kv`, rotated `k_pe`)."""
         c = self.cfg
         if c.q_lora_rank:
             q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
         else:
             q = self.q_proj(x)
-        q = q.view(*x.shape[:-1], c.num_attention_heads, c.qk_head_dim)
+        q = q.view(*x.shape[:-1], self.num_heads, c.qk_head_dim)
         q_pe = apply_rope_interleaved(q[..., c.qk_nope_head_dim:], cos, sin)
         q = torch.cat([q[..., :c.qk_nope_head_dim], q_pe], dim=-1)
         kv = self.kv_a_proj_with_mqa(x)
         ckv = self.kv_a_layernorm(kv[..., :c.kv_lora_rank])
         kpe = apply_rope_interleaved(kv[..., None, c.kv_lora_rank:], cos, sin)[..., 0, :]
-        return q, torch.cat([ckv, kpe], dim=-1), kv
+        return q, torch.cat([ckv, kpe], dim=-1)
 
     def forward_naive(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
         """Causal attention over `x [B, T, H]`; also returns the cache rows `[B, T, R + P]`."""
         c = self.cfg
-        q, row, _ = self.latents(x, cos, sin)
+        q, row = self.latents(x, cos, sin)
         kvb = self.kv_b_proj(row[..., :c.kv_lora_rank])
-        kvb = kvb.view(*x.shape[:-1], c.num_attention_heads, c.qk_nope_head_dim + c.v_head_dim)
+        kvb = kvb.view(*x.shape[:-1], self.num_heads, c.qk_nope_head_dim + c.v_head_dim)
         k_nope, v = kvb[..., :c.qk_nope_head_dim], kvb[..., c.qk_nope_head_dim:]
         o = mla_naive(q[..., :c.qk_nope_head_dim], q[..., c.qk_nope_head_dim:], k_nope,
                       row[..., c.kv_lora_rank:], v, self.scale)
@@ -161,7 +145,7 @@ class MLA(nn.Module):
 
     def _absorb_weights(self) -> tuple[Tensor, Tensor]:
         c = self.cfg
-        w = self.kv_b_proj.weight.view(c.num_attention_heads, c.qk_nope_head_dim + c.v_head_dim,
+        w = self.kv_b_proj.weight.view(self.num_heads, c.qk_nope_head_dim + c.v_head_dim,
                                        c.kv_lora_rank)
         return w[:, :c.qk_nope_head_dim], w[:, c.qk_nope_head_dim:]  # W_UK [nh,Dn,R], W_UV [nh,Dv,R]
 
@@ -173,7 +157,7 @@ class MLA(nn.Module):
         """`x [bs, Q, H]`; writes the queries' own cache rows into `tree_kv_out [bs, Q, R + P]`.
         `mask`: the torch path's key mask, shared by all layers (`ops.attention.joint_mask`)."""
         c = self.cfg
-        q, row, _ = self.latents(x, cos, sin)
+        q, row = self.latents(x, cos, sin)
         tree_kv_out.copy_(row)
         w_uk, w_uv = self._absorb_weights()
         q_lat = torch.einsum("bqhd,hdr->bqhr", q[..., :c.qk_nope_head_dim], w_uk)
@@ -184,91 +168,101 @@ class MLA(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, i: int):
+    def __init__(self, cfg: ModelConfig, i: int, tp: Group | None = None):
         super().__init__()
+        self.index = i
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = MLA(cfg)
-        self.mlp = MoE(cfg) if cfg.is_moe(i) else MLP(cfg.hidden_size, cfg.intermediate_size)
-        self.tp: TensorParallel | None = None  # set by engine.parallel when sharded
+        self.self_attn = MLA(cfg, tp)
+        if cfg.is_moe(i):
+            self.mlp: nn.Module = MoE(cfg, tp)
+        else:
+            if tp is not None:
+                tp.divide(cfg.intermediate_size, "intermediate_size", cfg.source or "config")
+            self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, tp)
 
-    def ffn(self, h: Tensor, sparse: bool, loads: list[Tensor] | None = None) -> Tensor:
+    def forward(self, h: Tensor, attend: Attend, sparse: bool) -> tuple[Tensor, Any]:
+        """`h [..., H]` -> the layer's output. `attend(attn, normed h, layer index)` is the
+        attention form (naive or absorbed) and returns `(output, extra)`; `extra` is passed
+        back."""
+        a, extra = attend(self.self_attn, self.input_layernorm(h), self.index)
+        h = h + a
         x = self.post_attention_layernorm(h)
-        y = self.mlp(x, sparse, loads) if isinstance(self.mlp, MoE) else self.mlp(x)
-        if self.tp is not None:
-            # NOTE: each rank holds a slice of every expert's (and the dense MLP's) intermediate
-            # dim, so its output is a partial sum: one all-reduce for routed + shared experts.
-            y = self.tp.all_reduce(y)
-        return h + y
+        return h + (self.mlp(x, sparse) if isinstance(self.mlp, MoE) else self.mlp(x)), extra
 
 
 class Backbone(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, tp: Group | None = None):
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, tp)
+                                    for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
 class KimiForCausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, tp: Group | None = None):
         super().__init__()
-        self.cfg = cfg
-        self.model = Backbone(cfg)
-        self.lm_head = _linear(cfg.hidden_size, cfg.vocab_size)
+        self.cfg, self.tp = cfg, tp
+        if tp is not None:
+            tp.divide(cfg.vocab_size, "vocab_size", cfg.source or "model config")
+        self.model = Backbone(cfg, tp)
+        self.lm_head = ParallelLMHead(cfg.hidden_size, cfg.vocab_size, tp)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        inv_freq, amp = rope_frequencies(cfg.qk_rope_head_dim, cfg.rope_theta, cfg.rope_scaling,
-                                         cfg.max_position_embeddings)
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
-        self.rope_amplitude = amp
+        self.register_buffer("inv_freq", torch.empty(cfg.qk_rope_head_dim // 2),
+                             persistent=False)
+        self._init_rope()
 
-    # ---- loading ---------------------------------------------------------------------------------
+    def _init_rope(self) -> None:
+        c = self.cfg
+        inv_freq, self.rope_amplitude = rope_frequencies(
+            c.qk_rope_head_dim, c.rope_theta, c.rope_scaling, c.max_position_embeddings)
+        self.inv_freq = inv_freq.to(self.inv_freq.device)
+
+    # ---- checkpoint ------------------------------------------------------------------------------
+
+    def checkpoint_tensors(self) -> dict[str, Stored]:
+        """Every tensor this rank loads, by checkpoint name (without the config's prefix)."""
+        out = checkpoint_tensors(self)
+        if self.cfg.tie_word_embeddings:
+            out.pop("lm_head.weight")
+        return out
 
     @classmethod
     def from_dir(cls, path: str | Path, device: str | torch.device = "cpu",
                  dtype: torch.dtype = torch.float32, progress: bool = True,
-                 tp: TensorParallel | None = None) -> KimiForCausalLM:
-        """With `tp`, this rank's shard only (each tensor's piece is all that is read)."""
-        from engine.weights import load_target_weights
-
+                 tp: Group | None = None) -> KimiForCausalLM:
+        """The model of a checkpoint directory; with `tp`, this rank's shard only (each
+        tensor's piece is all that is read)."""
         cfg = ModelConfig.from_dir(path)
-        shard_fn = tp.target_shard_fn(cls, cfg) if tp is not None else None
-        weights = load_target_weights(path, cfg, device=device, dtype=dtype, progress=progress,
-                                      shard_fn=shard_fn)
-        return cls.from_weights(cfg, weights, device, dtype, tp=tp)
-
-    @classmethod
-    def from_weights(cls, cfg: ModelConfig, weights: dict[str, Tensor],
-                     device: str | torch.device = "cpu",
-                     dtype: torch.dtype = torch.float32,
-                     tp: TensorParallel | None = None) -> KimiForCausalLM:
         with torch.device("meta"):
-            model = cls(cfg) if tp is None else tp.build_target(cls, cfg)
+            model = cls(cfg, tp)
         model.to_empty(device=device)
         model.to(dtype)
-        for layer in model.model.layers:
-            if isinstance(layer.mlp, MoE):
-                # NOTE: selection-only bias: kept fp32 (load_state_dict copies into its dtype).
-                layer.mlp.gate.e_score_correction_bias = torch.empty(
+        for m in model.modules():
+            if isinstance(m, Router):
+                # NOTE: selection-only bias: kept fp32 (the load copies into its dtype).
+                m.e_score_correction_bias = torch.empty(
                     cfg.n_routed_experts, dtype=torch.float32, device=device)
-        missing, unexpected = model.load_state_dict(weights, strict=False)
-        missing = [m for m in missing if not (cfg.tie_word_embeddings and m == "lm_head.weight")]
-        if missing or unexpected:
-            raise ValueError(f"weights do not fit the model: missing {missing[:5]}, "
-                             f"unexpected {unexpected[:5]}")
-        inv_freq, _ = rope_frequencies(cfg.qk_rope_head_dim, cfg.rope_theta, cfg.rope_scaling,
-                                       cfg.max_position_embeddings)
-        model.inv_freq = inv_freq.to(device)
+        load_checkpoint(path, model.checkpoint_tensors(), prefix=cfg.weight_prefix,
+                        quant=cfg.quantization, progress=progress)
+        model._init_rope()
         return model.finalize()
 
     def finalize(self) -> KimiForCausalLM:
-        """Switch to inference: no grads, experts stacked for dispatch."""
-        self.eval().requires_grad_(False)
-        for layer in self.model.layers:
-            if isinstance(layer.mlp, MoE):
-                layer.mlp.pack()
-        return self
+        """Switch to inference: no grads."""
+        return self.eval().requires_grad_(False)
+
+    def param_counts(self) -> tuple[int, int]:
+        """`(total, activated)` parameters of the whole model (every rank's pieces): activated
+        counts `num_experts_per_tok` routed experts per MoE layer, the rest whole."""
+        c = self.cfg
+        total = routed = 0
+        for name, s in self.checkpoint_tensors().items():
+            total += math.prod(s.shape)
+            routed += math.prod(s.shape) if ".mlp.experts." in name else 0
+        return total, total - routed + routed * c.num_experts_per_tok // max(c.n_routed_experts, 1)
 
     # ---- forwards --------------------------------------------------------------------------------
 
@@ -278,26 +272,27 @@ class KimiForCausalLM(nn.Module):
     def forward(
         self, input_ids: Tensor, aux_layers: Sequence[int] = (), sparse_moe: bool = False,
         logits_rows: Tensor | None = None, cache_rows_out: list[Tensor] | None = None,
-        expert_loads: list[Tensor] | None = None,
     ) -> tuple[Tensor, Tensor | None]:
         """Naive causal forward over `input_ids [B, T]` at positions `0..T-1`, no cache.
 
         Returns logits `[B, T, V]` (or only at `logits_rows [B, R]` when given) and the
         concatenated outputs of decoder layers `aux_layers` `[B, T, n * H]` (None if empty).
         When `cache_rows_out` is a list, each layer's latent cache rows `[B, T, R + P]` are
-        appended to it (the prefill path stores them in the paged cache); `expert_loads` gets
-        each MoE layer's tokens per expert.
+        appended to it (the prefill stores them in the paged cache).
         """
         B, T = input_ids.shape
         pos = torch.arange(T, device=input_ids.device).expand(B, T)
         cos, sin = self._rope(pos)
+
+        def attend(attn: MLA, x: Tensor, i: int) -> tuple[Tensor, Tensor]:
+            return attn.forward_naive(x, cos, sin)
+
         h = self.model.embed_tokens(input_ids)
         aux = []
         for i, layer in enumerate(self.model.layers):
-            a, rows = layer.self_attn.forward_naive(layer.input_layernorm(h), cos, sin)
+            h, rows = layer(h, attend, sparse_moe)
             if cache_rows_out is not None:
                 cache_rows_out.append(rows)
-            h = layer.ffn(h + a, sparse_moe, expert_loads)
             if i in aux_layers:
                 aux.append(h)
         if logits_rows is not None:
@@ -327,13 +322,15 @@ class KimiForCausalLM(nn.Module):
                                               c.moe_intermediate_size)
         cos, sin = self._rope(positions)
         mask = joint_mask(slots, ctx_len, visible) if prefix is None else None
+
+        def attend(attn: MLA, x: Tensor, i: int) -> tuple[Tensor, None]:
+            return attn.forward_absorbed(x, cos, sin, kv_cache[i], slots, ctx_len, visible,
+                                         tree_kv_out[i], prefix, mask), None
+
         h = self.model.embed_tokens(tokens)
         aux = []
         for i, layer in enumerate(self.model.layers):
-            a = layer.self_attn.forward_absorbed(layer.input_layernorm(h), cos, sin, kv_cache[i],
-                                                 slots, ctx_len, visible, tree_kv_out[i],
-                                                 prefix, mask)
-            h = layer.ffn(h + a, sparse_moe)
+            h, _ = layer(h, attend, sparse_moe)
             if i in aux_layers:
                 aux.append(h)
         logits = self.lm_head(self.model.norm(h)).float()

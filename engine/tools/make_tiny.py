@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,7 @@ import torch
 from safetensors.torch import save_file
 
 from engine.config import ModelConfig
+from engine.models.kimi import KimiForCausalLM
 from engine.tokenizer import write_tokenizer_files
 from ops.quant import pack_int4, quantize_fp8_block
 
@@ -132,7 +134,14 @@ def random_state_dict(cfg: ModelConfig, seed: int = 0) -> dict[str, torch.Tensor
     """
     g = torch.Generator().manual_seed(seed)
     out: dict[str, torch.Tensor] = {}
-    for name, shape in cfg.tensor_shapes().items():
+    with torch.device("meta"):
+        names = KimiForCausalLM(cfg).checkpoint_tensors()
+    # NOTE: the order tiny checkpoints have always been drawn in (the same seed gives the same
+    # tensors): embeddings, final norm and head first, then layer by layer, experts last.
+    order = sorted(names, key=lambda n: (".layers." in n, _layer_of(n), ".experts." in n))
+    for name in order:
+        shape = names[name].shape
+        name = cfg.weight_prefix + name
         if name.endswith("embed_tokens.weight"):
             t = torch.randn(shape, generator=g)
         elif name.endswith("e_score_correction_bias"):
@@ -145,6 +154,11 @@ def random_state_dict(cfg: ModelConfig, seed: int = 0) -> dict[str, torch.Tensor
             t = torch.randn(shape, generator=g) / math.sqrt(shape[1])
         out[name] = t
     return out
+
+
+def _layer_of(name: str) -> int:
+    m = re.search(r"\.layers\.(\d+)\.", name)
+    return int(m.group(1)) if m else -1
 
 
 def _is_int4_target(name: str, t: torch.Tensor) -> bool:

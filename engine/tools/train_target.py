@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.config import ModelConfig
-from engine.models.kimi import KimiForCausalLM, MoE
+from engine.models.kimi import KimiForCausalLM, MoE, Router
 from engine.tokenizer import Tokenizer, write_tokenizer_files
 from engine.tools import corpus
 from engine.tools.make_tiny import NUM_SPECIAL, save_checkpoint, tiny_config
@@ -46,17 +46,18 @@ def mini_config(vocab: int, layers: int = 16, hidden: int = 128) -> dict[str, An
 
 
 def init_weights(model: KimiForCausalLM, seed: int) -> None:
-    """GPT-2 style: N(0, 0.02), residual outputs scaled by 1/sqrt(2 * layers), norms 1."""
+    """GPT-2 style: N(0, 0.02), residual outputs scaled by 1/sqrt(2 * layers), norms 1; drawn
+    checkpoint tensor by checkpoint tensor, in module order."""
     g = torch.Generator().manual_seed(seed)
     n = model.cfg.num_hidden_layers
     with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.dim() == 1:
-                p.fill_(1.0)
+        for name, s in model.checkpoint_tensors().items():
+            if s.dest.dim() == 1:
+                s.dest.fill_(1.0)
             else:
                 std = 0.02 / math.sqrt(2 * n) if name.endswith(("o_proj.weight",
                                                                 "down_proj.weight")) else 0.02
-                p.copy_(torch.randn(p.shape, generator=g) * std)
+                s.dest.copy_(torch.randn(s.shape, generator=g) * std)
         for m in model.modules():
             if isinstance(m, MoE):
                 m.gate.weight.normal_(0.0, 0.02, generator=g)
@@ -72,12 +73,22 @@ def encode_corpus(tok: Tokenizer, docs: list[tuple[str, str]]) -> torch.Tensor:
     return torch.tensor(ids, dtype=torch.int64)
 
 
-def lm_loss(model: KimiForCausalLM, x: torch.Tensor, loads: list[torch.Tensor] | None = None
-            ) -> torch.Tensor:
+def lm_loss(model: KimiForCausalLM, x: torch.Tensor) -> torch.Tensor:
     # bf16 autocast: about 2x faster than fp32 on CPUs with AVX512-BF16; master weights stay fp32
     with torch.autocast(x.device.type, dtype=torch.bfloat16):
-        logits, _ = model(x[:, :-1], sparse_moe=True, expert_loads=loads)
+        logits, _ = model(x[:, :-1], sparse_moe=True)
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1))
+
+
+def record_expert_loads(model: KimiForCausalLM, loads: list[torch.Tensor]) -> None:
+    """Each forward appends every MoE layer's tokens per expert to `loads` (router hooks)."""
+    def hook(router: Router, _: Any, out: tuple[torch.Tensor, torch.Tensor]) -> None:
+        loads.append(torch.bincount(out[0].reshape(-1),
+                                    minlength=router.cfg.n_routed_experts).float())
+
+    for m in model.modules():
+        if isinstance(m, Router):
+            m.register_forward_hook(hook)
 
 
 def balance_routers(model: KimiForCausalLM, loads: list[torch.Tensor], rate: float) -> None:
@@ -133,6 +144,8 @@ def main(argv: list[str] | None = None) -> None:
     model = KimiForCausalLM(cfg)
     init_weights(model, a.seed)
     model.train()
+    loads: list[torch.Tensor] = []
+    record_expert_loads(model, loads)
     decay = [p for p in model.parameters() if p.dim() > 1]
     no_decay = [p for p in model.parameters() if p.dim() <= 1]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
@@ -147,8 +160,8 @@ def main(argv: list[str] | None = None) -> None:
     for step in range(a.steps):
         starts = torch.randint(0, len(train) - a.seq - 1, (a.batch,), generator=g)
         x = torch.stack([train[s:s + a.seq + 1] for s in starts.tolist()])
-        loads: list[torch.Tensor] = []
-        loss = lm_loss(model, x, loads)
+        loads.clear()
+        loss = lm_loss(model, x)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -165,7 +178,7 @@ def main(argv: list[str] | None = None) -> None:
     held_loss = eval_loss(model, held, a.seq)
     print(f"held-out loss {held_loss:.3f} nats/token", flush=True)
 
-    state = {k: v for k, v in model.state_dict().items()}
+    state = {k: s.dest for k, s in model.checkpoint_tensors().items()}
     save_checkpoint(state, conf, a.out, shards=2, dtype=torch.bfloat16)
     record = {
         "command": "python -m engine.tools.train_target " + " ".join(argv or sys.argv[1:]),

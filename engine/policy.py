@@ -69,7 +69,7 @@ def write_budgets(path: str | Path, budgets: Mapping[int, int],
     """Write the `[budgets]` table (and, as comments, the measurements it came from)."""
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
-    lines = ["# Tree budget per captured batch size (tree mode), read by graphs.policy.",
+    lines = ["# Tree budget per captured batch size (tree mode), read by engine.policy.",
              "# Written by `python -m graphs.profile --tune`."]
     if note:
         lines += [f"# {line}" for line in note.splitlines()]

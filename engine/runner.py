@@ -1,10 +1,11 @@
-"""Runs the spec step for a batch of requests: static buffers per batch size, padding rows on the
-dummy page, one CUDA graph per (batch size, greedy/sampling) on a GPU, the same step eagerly
-elsewhere.
+"""Every model call goes through the runner: prefills, and the spec step for a batch, with
+static buffers per batch size, padding rows on the dummy page, one CUDA graph per (batch size,
+greedy/sampling) on a GPU and the same step eagerly elsewhere.
 
-The runner knows nothing of what is inside the step: it copies per-step inputs into the
-buffers, lets an optional attention planner prepare its kernel metadata (host side), replays
-(or calls) the step, and reads back the small decision tensors.
+It takes host values (`StepInputs`, `PrefillInputs`), never requests, and knows nothing of what
+is inside the step: it copies the inputs into the buffers (through one pinned staging copy per
+batch size on a GPU), lets an optional attention planner prepare its kernel metadata from the
+host copies, replays (or calls) the step, and reads back the small decision tensors.
 """
 
 from __future__ import annotations
@@ -14,19 +15,46 @@ import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
+from torch import Tensor
 
+from engine.config import SamplingParams
 from engine.kv_cache import DUMMY_PAGE, KVPool
-from engine.request import Request
-from engine.spec import Models, StepBuffers, StepShape, spec_step
-from graphs.policy import budgets_for_sizes
+from engine.policy import budgets_for_sizes
+from engine.spec import PADDING, Models, StepBuffers, StepShape, prefill, spec_step
+from ops.sampling import sample_from_probs, target_probs
 
-# Called before every step and every capture, outside the graph, with the buffers the step is
-# about to read (a kernel backend plans its metadata from `page_table` and `cache_len` here).
-Planner = Callable[[StepBuffers, StepShape], None]
+# Called before every step and every capture, outside the graph, with the host copies of the
+# page table `[bs, W]` and context lengths `[bs]` the step is about to read (a kernel backend
+# plans its metadata from them here, without a device sync).
+Planner = Callable[[Tensor, Tensor], None]
+
+
+@dataclass
+class StepInputs:
+    """One step's inputs for `b` requests, as host values. Each row owns pages up to
+    `cache_len + S` (S: the most tokens a step emits) and brings `coins_per_row(b)` uniforms
+    from its own stream (one per tree node, then one for the bonus token; zeros when greedy)."""
+
+    anchor: list[int]
+    cache_len: list[int]
+    pages: list[list[int]]
+    params: list[SamplingParams]
+    coins: list[list[float]]
+
+
+@dataclass
+class PrefillInputs:
+    """A prefill of `tokens` (positions 0 ..) into `pages`; with `params`, the first new token
+    is drawn with `coin`."""
+
+    tokens: list[int]
+    pages: list[int]
+    params: SamplingParams | None = None
+    coin: float = 0.0
 
 
 def default_capture_sizes(max_batch_size: int) -> list[int]:
@@ -68,7 +96,7 @@ class StepGraphRunner:
     """One step function, many batch sizes.
 
     `budgets` (optional, tree mode) is a budget policy `{batch size: tree budget}` (see
-    `graphs.policy`), spread over the capture sizes; without one every size uses
+    `engine.policy`), spread over the capture sizes; without one every size uses
     `shape.budget`. Every graph of one size shares one budget, so each size's shapes stay fixed.
     """
 
@@ -98,8 +126,15 @@ class StepGraphRunner:
         self.buffers = {bs: StepBuffers.allocate(bs, max_pages, self.shapes[(bs, False)],
                                                  models.target, self.device)
                         for bs in self.capture_sizes}
-        for buf in self.buffers.values():
-            self._fill_padding(buf, 0)
+        # NOTE: host copies of every step input, pinned on CUDA so the copies in are
+        # asynchronous; on the CPU the buffers themselves are the host copies.
+        pin = self.device.type == "cuda"
+        self.staging = {bs: {k: torch.empty(t.shape, dtype=t.dtype, pin_memory=True) if pin
+                             else t for k, t in buf.inputs().items()}
+                        for bs, buf in self.buffers.items()}
+        for bs, buf in self.buffers.items():
+            _pad(buf.inputs(), 0)
+            _pad(self.staging[bs], 0)
         self.graphs: dict[tuple[int, bool], Any] = {}
         # (batch size, sampling) -> {"seconds": capture wall time, "bytes": pool growth}
         self.capture_stats: dict[tuple[int, bool], dict[str, float]] = {}
@@ -120,6 +155,10 @@ class StepGraphRunner:
         return max((self.shapes[(bs, False)] for bs in self.capture_sizes),
                    key=lambda s: (s.max_emit, s.budget))
 
+    def coins_per_row(self, b: int) -> int:
+        """Uniforms a step of `b` rows draws per row: one per tree node, one for the bonus."""
+        return self.shapes[(self.padded_size(b), False)].num_nodes + 1
+
     def padded_size(self, b: int) -> int:
         for s in self.capture_sizes:
             if s >= b:
@@ -130,19 +169,21 @@ class StepGraphRunner:
     # ---- capture ---------------------------------------------------------------------------------
 
     def _knobs(self, bs: int) -> str:
-        return (f"max batch size {self.max_batch_size} (--max-batch-size), tree budget "
-                f"{self.budgets[bs]} at this size (--budget or the budget policy), KV pool of "
-                f"{self.pool.num_pages} pages (--kv-pages / the KV memory fraction)")
+        return (f"max batch size {self.max_batch_size} (--max-batch-size), the captured sizes "
+                f"{self.capture_sizes} (--capture-sizes), tree budget {self.budgets[bs]} at this "
+                f"size (--budget or --budget-policy), KV pool of {self.pool.num_pages} pages "
+                f"(--kv-pages)")
 
     def _new_pool(self) -> Any:
         return torch.cuda.graph_pool_handle()
 
     def _capture_one(self, bs: int, sample: bool, mem_pool: Any) -> Any:
         """Warm up twice on a side stream, then capture one graph into `mem_pool`."""
-        buf, shape = self.buffers[bs], self.shapes[(bs, sample)]
-        self._fill_padding(buf, 0)
+        buf, shape, host = self.buffers[bs], self.shapes[(bs, sample)], self.staging[bs]
+        _pad(buf.inputs(), 0)
+        _pad(host, 0)
         if self.planner is not None:
-            self.planner(buf, shape)
+            self.planner(host["page_table"], host["cache_len"])
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
@@ -188,79 +229,85 @@ class StepGraphRunner:
         finally:
             gc.unfreeze()
 
-    # ---- one step --------------------------------------------------------------------------------
+    # ---- model calls ---------------------------------------------------------------------------
 
-    def _fill_padding(self, buf: StepBuffers, start: int) -> None:
-        # NOTE: padding rows have zero context and only the dummy page, so every kernel treats
-        # them as ordinary rows while their writes land on the dummy page.
-        buf.anchor[start:] = 0
-        buf.cache_len[start:] = 0
-        buf.page_table[start:] = DUMMY_PAGE
-        buf.temperature[start:] = 1.0
-        buf.top_k[start:] = 1
-        buf.top_p[start:] = 1.0
-        buf.coins[start:] = 0.0
-        buf.final_coins[start:] = 0.0
+    @torch.inference_mode()
+    def prefill(self, inp: PrefillInputs) -> int | None:
+        """Fill the caches of `inp.pages` with `inp.tokens`; with `inp.params`, return the first
+        new token (drawn with `inp.coin` unless greedy)."""
+        logits = prefill(self.models, self.pool, inp.tokens, inp.pages)
+        p = inp.params
+        if p is None:
+            return None
+        if p.greedy:
+            return int(logits[0, -1].argmax())
+        dev = logits.device
+        probs = target_probs(logits[:, -1], torch.tensor([float(p.temperature)], device=dev),
+                             torch.tensor([max(p.top_k, 0)], device=dev),
+                             torch.tensor([float(p.top_p)], device=dev))
+        return int(sample_from_probs(probs, torch.tensor([inp.coin], device=dev))[0])
 
-    def load(self, reqs: Sequence[Request], pad: bool = True
-             ) -> tuple[StepBuffers, StepShape, int]:
-        """Copy the per-step inputs of `reqs` into the static buffers (padding rows included).
-        Returns the buffers the step reads, its shape, and the page-table width it uses."""
-        b = len(reqs)
+    def load(self, inp: StepInputs, pad: bool = True) -> tuple[StepBuffers, StepShape, int]:
+        """Copy `inp` into the static buffers (padding rows included). Returns the buffers the
+        step reads, its shape, and the page-table width it uses."""
+        b = len(inp.anchor)
         if b == 0:
             raise ValueError("a step needs at least one request")
         size = self.padded_size(b)
         bp = size if (pad or self.use_graphs) else b
         buf = self.buffers[size].rows(bp)
-        N = buf.coins.shape[1]
-        shape = self.shapes[(size, any(not r.params.greedy for r in reqs))]
+        shape = self.shapes[(size, any(not p.greedy for p in inp.params))]
         if shape.sample and not self.use_graphs:
             # Eager: sort the vocabulary only when some row truncates it.
-            shape = replace(shape, filtered=any(r.params.truncates for r in reqs))
+            shape = replace(shape, filtered=any(p.truncates for p in inp.params))
         width = self.max_pages
         if not self.use_graphs:
             # Eager: gather only as much context as this batch has (a graph needs the full
             # fixed width instead).
-            need = max(len(r.pages) for r in reqs)
-            width = min(self.max_pages, -(-need // 8) * 8)
-        pt = torch.full((b, width), DUMMY_PAGE, dtype=torch.int64)
-        for i, r in enumerate(reqs):
-            if len(r.pages) > self.max_pages:
-                raise ValueError(f"request {r.rid} holds {len(r.pages)} pages; the step's page "
-                                 f"table has {self.max_pages}")
-            pt[i, :len(r.pages)] = torch.tensor(r.pages, dtype=torch.int64)
-        coins = torch.stack([r.coins(N + 1) for r in reqs])
-        p = [r.params for r in reqs]
-        buf.anchor[:b] = torch.tensor([r.anchor for r in reqs])
-        buf.cache_len[:b] = torch.tensor([r.cache_len for r in reqs])
-        buf.page_table[:b] = DUMMY_PAGE
-        buf.page_table[:b, :width] = pt
-        buf.temperature[:b] = torch.tensor([x.temperature if not x.greedy else 1.0 for x in p])
-        buf.top_k[:b] = torch.tensor([1 if x.greedy else max(x.top_k, 0) for x in p])
-        buf.top_p[:b] = torch.tensor([1.0 if x.greedy else x.top_p for x in p])
-        buf.coins[:b] = coins[:, :N]
-        buf.final_coins[:b] = coins[:, N]
-        self._fill_padding(buf, b)
+            width = min(self.max_pages, -(-max(map(len, inp.pages)) // 8) * 8)
+        host = self.staging[size]
+        pt = host["page_table"]
+        pt[:b] = DUMMY_PAGE
+        for i, pages in enumerate(inp.pages):
+            if len(pages) > self.max_pages:
+                raise ValueError(f"row {i} holds {len(pages)} pages; the step's page table has "
+                                 f"{self.max_pages}")
+            pt[i, :len(pages)] = torch.tensor(pages, dtype=torch.int64)
+        N = buf.coins.shape[1]
+        coins = torch.tensor(inp.coins, dtype=torch.float32).view(b, N + 1)
+        p = inp.params
+        host["anchor"][:b] = torch.tensor(inp.anchor)
+        host["cache_len"][:b] = torch.tensor(inp.cache_len)
+        host["temperature"][:b] = torch.tensor([1.0 if x.greedy else x.temperature for x in p])
+        host["top_k"][:b] = torch.tensor([1 if x.greedy else max(x.top_k, 0) for x in p])
+        host["top_p"][:b] = torch.tensor([1.0 if x.greedy else x.top_p for x in p])
+        host["coins"][:b] = coins[:, :N]
+        host["final_coins"][:b] = coins[:, N]
+        _pad(host, b)
+        for k, dst in self.buffers[size].inputs().items():
+            if dst is not host[k]:
+                dst.copy_(host[k], non_blocking=True)
         return buf, shape, width
 
     def run_loaded(self, buf: StepBuffers, shape: StepShape, width: int) -> None:
         """Run the step over buffers filled by `load` (replay on a GPU, eager elsewhere)."""
+        bs = buf.anchor.shape[0]
         if self.planner is not None:
             with self.timer("plan"):
-                self.planner(buf, shape)
+                host = self.staging[bs]
+                self.planner(host["page_table"], host["cache_len"])
         if self.use_graphs:
             with self.timer("step"):
-                self.graphs[(buf.anchor.shape[0], shape.sample)].replay()
+                self.graphs[(bs, shape.sample)].replay()
         else:
-            view = StepBuffers(**{**buf.__dict__, "page_table": buf.page_table[:, :width]})
+            view = replace(buf, page_table=buf.page_table[:, :width])
             spec_step(self.models, self.pool, view, shape, self.timer)
 
-    def step(self, reqs: Sequence[Request], pad: bool = True) -> tuple[list[list[int]], list[int]]:
-        """Run one step for `reqs` (each must own pages up to `cache_len + S`). Returns the
-        emitted tokens and accepted-draft counts per request."""
-        b = len(reqs)
+    def step(self, inp: StepInputs, pad: bool = True) -> tuple[list[list[int]], list[int]]:
+        """Run one step. Returns the emitted tokens and accepted-draft counts per row."""
+        b = len(inp.anchor)
         with self.timer("host"):
-            buf, shape, width = self.load(reqs, pad)
+            buf, shape, width = self.load(inp, pad)
         self.run_loaded(buf, shape, width)
         with self.timer("host"):
             # NOTE: the only device-to-host copy of a step: the small decision tensors.
@@ -268,3 +315,9 @@ class StepGraphRunner:
         accept = out[:, 0].tolist()
         emit = out[:, 1:].tolist()
         return [e[: a + 1] for e, a in zip(emit, accept)], accept
+
+
+def _pad(inputs: dict[str, Tensor], start: int) -> None:
+    """Rows `start ..` become padding rows."""
+    for k, v in PADDING.items():
+        inputs[k][start:] = v

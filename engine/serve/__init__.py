@@ -1,0 +1,73 @@
+"""OpenAI-compatible HTTP server: `protocol` declares the bodies, `worker` runs the engine
+loop, `app` the routes and streaming, `metrics` the Prometheus side.
+
+    python -m engine.serve [engine flags: --model DIR --draft DIR --mode --budget ...]
+        [--host 127.0.0.1 --port 8000 --max-queue 256 --served-model-name NAME]
+    torchrun --nproc-per-node N -m engine.serve --tp N ...   (tensor parallel; rank 0 serves)
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from typing import Annotated, Literal
+
+from pydantic import Field, ValidationError
+from pydantic.dataclasses import dataclass
+
+from engine.config import EngineConfig, add_cli_args, error_text, from_cli
+
+log = logging.getLogger("engine.serve")
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    host: str = Field("127.0.0.1", description="address to listen on")
+    port: Annotated[int, Field(ge=0, le=65535)] = Field(8000, description="port to listen on")
+    max_queue: Annotated[int, Field(ge=1)] = Field(
+        256, description="requests allowed to wait for a batch slot before 503")
+    served_model_name: str | None = Field(
+        None, description="the model id clients send (default: the model directory's name)")
+    log_level: Literal["critical", "error", "warning", "info", "debug"] = Field(
+        "info", description="how much to log")
+
+
+def main(argv: list[str] | None = None) -> None:
+    import uvicorn
+
+    from engine.dist import PeerLost
+    from engine.llm import LLM
+    from engine.serve.app import build_app
+
+    p = argparse.ArgumentParser(prog="python -m engine.serve",
+                                description="OpenAI-compatible server with speculative decoding")
+    add_cli_args(p, EngineConfig)
+    add_cli_args(p, ServeConfig)
+    args = p.parse_args(argv)
+    try:
+        engine, cfg = from_cli(EngineConfig, args), from_cli(ServeConfig, args)
+    except ValidationError as e:
+        p.error(error_text(e))
+    logging.basicConfig(level=cfg.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    llm = LLM(config=engine)
+    if not llm.is_leader:  # tensor-parallel ranks > 0 run rank 0's model calls until it stops
+        try:
+            llm.close()
+        except PeerLost as e:
+            log.error("%s", e)
+            sys.exit(1)
+        return
+    name = cfg.served_model_name or llm.model_dir.resolve().name
+    app = build_app(llm, name, cfg.max_queue)
+    log.info("serving %r on http://%s:%d (max_model_len %d, %d KV pages)", name, cfg.host,
+             cfg.port, llm.max_model_len, llm.scheduler.alloc.capacity)
+    try:
+        # A bounded graceful shutdown: open streams must not keep the process alive.
+        uvicorn.run(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level,
+                    timeout_graceful_shutdown=5)
+    finally:
+        llm.close()
+    if app.state.server.engine.fatal:
+        log.error("stopped: %s", app.state.server.engine.fatal)
+        sys.exit(1)

@@ -1,0 +1,3 @@
+from engine.serve import main
+
+main()

@@ -1,0 +1,259 @@
+"""Routes, admission (queue limit, context checks) and streaming: `GET /v1/models`,
+`POST /v1/completions` and `POST /v1/chat/completions` (with `stream`: server-sent events ending
+in `data: [DONE]`), `GET /health` (free KV pages, batch and queue sizes), `GET /metrics`.
+`max_tokens` defaults to 16 for completions and to the rest of the context for chat."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException
+from starlette.types import Receive, Scope, Send
+
+from engine.config import SamplingParams
+from engine.llm import LLM
+from engine.scheduler import RequestRejected
+from engine.serve import protocol as api
+from engine.serve.metrics import ENDPOINTS, CountResponses
+from engine.serve.worker import ClientGone, Engine, Handle
+from engine.tokenizer import TokenizerError
+
+log = logging.getLogger("engine.serve")
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16
+Body = api.CompletionRequest | api.ChatRequest
+
+
+class Server:
+    """HTTP-side state: the engine, the served name, admission."""
+
+    def __init__(self, llm: LLM, served_model_name: str, max_queue: int = 256):
+        self.llm, self.name, self.max_queue = llm, served_model_name, max_queue
+        self.engine = Engine(llm)
+        self.metrics = self.engine.metrics
+        self.created = int(time.time())
+        self.active = 0  # requests submitted and not yet closed (event-loop thread only)
+        self.metrics.queue_depth.set_function(lambda: max(self.engine.snapshot["waiting"],
+                                                          self.waiting))
+
+    @property
+    def waiting(self) -> int:
+        """Requests handed to the engine that are not running yet."""
+        return self.active - self.engine.snapshot["running"]
+
+    async def prepare(self, body: Body) -> tuple[list[int], SamplingParams]:
+        """The prompt's token ids and the request's sampling, checked against the context."""
+        if body.model is not None and body.model != self.name:
+            raise api.APIError(404, f"The model '{body.model}' does not exist; this server "
+                                    f"serves '{self.name}'", "model", "model_not_found")
+        tok, chat = self.llm.tokenizer, isinstance(body, api.ChatRequest)
+        param, prompt = ("messages", body.messages) if chat else ("prompt", body.one_prompt())
+        if tok is None and (chat or isinstance(prompt, str) or body.stop):
+            raise api.bad("stop" if body.stop else param, "this model has no tokenizer: send "
+                                                          "token ids and no stop strings")
+        try:
+            ids = (list(prompt) if not chat and isinstance(prompt, list) else await
+                   run_in_threadpool(tok.apply_chat_template if chat else tok.encode, prompt))
+        except TokenizerError as e:
+            raise api.bad(param, str(e)) from e
+        n, limit = len(ids), self.llm.max_model_len
+        if n + 1 > limit:
+            raise api.bad(param, f"{param} has {n} tokens, but this model's context limit is "
+                                 f"{limit} tokens (prompt plus at least one new token)",
+                          "context_length_exceeded")
+        want, what = body.max_tokens, "max_tokens"
+        if chat and body.max_completion_tokens is not None:
+            want, what = body.max_completion_tokens, "max_completion_tokens"
+        if want is not None and want > limit - n:
+            raise api.bad(what, f"{what} is {want}, but the context limit is {limit} tokens and "
+                                f"the {param} has {n}: at most {limit - n} new tokens fit",
+                          "context_length_exceeded")
+        default = limit if chat else COMPLETIONS_DEFAULT_MAX_TOKENS
+        return ids, body.sampling_params(want or min(default, limit - n))
+
+    def start(self, ids: list[int], params: SamplingParams, param: str) -> Handle:
+        """Hands the request to the engine (or says why it cannot run)."""
+        if self.waiting >= self.max_queue:
+            raise api.APIError(503, f"the server is busy: {self.waiting} requests are already "
+                                    f"waiting (--max-queue {self.max_queue}); retry later", None,
+                               "queue_full", "server_error", headers={"Retry-After": "1"})
+        h = Handle(self.llm.make_request(ids, params))
+        try:
+            self.engine.submit(h)
+        except RequestRejected as e:
+            raise api.bad(param, f"request rejected: {e} ({param}: {len(ids)} tokens, "
+                                 f"max_tokens: {params.max_new_tokens})") from e
+        self.active += 1
+        return h
+
+    def close(self, h: Handle) -> None:
+        """Ends the HTTP side of a request once; an unfinished one is aborted (by the engine
+        thread, which frees its pages)."""
+        if not h.closed:
+            h.closed = True
+            self.active -= 1
+            if not h.finished:
+                self.engine.abort(h)
+
+    async def text(self, h: Handle, http: Request, stop: tuple[str, ...]
+                   ) -> AsyncIterator[tuple[str, str | None, int]]:
+        """`(new text, finish reason or None, tokens so far)` as the request runs. Text is
+        decoded incrementally; with stop strings the last (longest stop - 1) characters wait
+        until later tokens show they do not start one, so no text past a stop ever leaves. The
+        last piece completes one decode of all ids, so the pieces add up to the whole text."""
+        tok = self.llm.tokenizer
+        dec = tok.stream_decoder(skip_special_tokens=True) if tok else None
+        hold = max(map(len, stop), default=1) - 1
+        ids: list[int] = []
+        text, sent = "", 0
+        try:
+            while True:
+                item = await h.next(http)
+                if item[0] == "error":
+                    h.finished = True
+                    raise api.APIError(500, str(item[1]), None, "engine_error", "server_error")
+                _, new, reason, text_end = item
+                ids += new
+                if reason is not None:
+                    h.finished = True
+                    yield self.llm.decode(ids)[:text_end][sent:], reason, len(ids)
+                    return
+                text += dec.push(new) if dec else ""
+                if len(text) - hold > sent:
+                    yield text[sent:len(text) - hold], None, len(ids)
+                    sent = len(text) - hold
+        finally:
+            self.close(h)
+
+
+class _SSEResponse(StreamingResponse):
+    """A stream whose request is closed however the response ends, even when the client leaves
+    before the body generator has started (its `finally` would then never run)."""
+
+    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None]):
+        super().__init__(content, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self._on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close()
+
+
+def _sse(obj: dict[str, Any]) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+def build_app(llm: LLM, served_model_name: str, max_queue: int = 256) -> FastAPI:
+    srv = Server(llm, served_model_name, max_queue)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        srv.engine.start()
+        try:
+            yield
+        finally:
+            await srv.engine.stop()
+
+    app = FastAPI(title="kimi-spec", lifespan=lifespan)
+    app.state.server = srv
+    app.add_exception_handler(api.APIError, lambda _, e: e.response())
+    # 499 (nginx's "client closed request"): nobody reads it, the count stays honest.
+    app.add_exception_handler(ClientGone, lambda _, e: Response(status_code=499))
+    app.add_exception_handler(HTTPException, lambda _, e: api.APIError(
+        e.status_code, str(e.detail), None, "not_found" if e.status_code == 404 else None
+    ).response())
+
+    @app.exception_handler(Exception)
+    async def _internal(http: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error")
+        # NOTE: this handler runs outside CountResponses, so its response is counted here.
+        path = http.url.path
+        srv.metrics.responses.labels(path if path in ENDPOINTS else "other", "500").inc()
+        return api.APIError(500, f"internal error: {type(exc).__name__}: {exc}", None,
+                            "internal_error", "server_error").response()
+
+    @app.get("/health")
+    async def health() -> dict[str, Any]:
+        return {"status": "ok", "model": srv.name, "max_model_len": llm.max_model_len,
+                "active": srv.active, **srv.engine.snapshot}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(srv.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [{
+            "id": srv.name, "object": "model", "created": srv.created, "owned_by": "kimi-spec",
+            "max_model_len": llm.max_model_len}]}
+
+    async def respond(http: Request, body_type: type[Body]) -> Response:
+        body = api.parse(await http.body(), body_type)
+        ids, params = await srv.prepare(body)
+        chat = body_type is api.ChatRequest
+        h = srv.start(ids, params, "messages" if chat else "prompt")
+        kind = "chat.completion" + (".chunk" if body.stream else "") if chat else "text_completion"
+        head = dict(id=f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", object=kind,
+                    created=int(time.time()), model=srv.name)
+
+        def usage(n: int) -> api.Usage:
+            return api.Usage(prompt_tokens=len(ids), completion_tokens=n, total_tokens=len(ids) + n)
+
+        def obj(choices: list[Any], usage: api.Usage | None = None) -> dict[str, Any]:
+            return api.Response(**head, choices=choices, usage=usage).model_dump(
+                exclude=None if usage or body.include_usage or not body.stream else {"usage"})
+
+        def choice(text: str | None, reason: str | None, role: str | None = None) -> Any:
+            if not chat:
+                return api.CompletionChoice(text=text or "", finish_reason=reason)
+            msg = api.Message(role=role, content=text)
+            return (api.ChunkChoice(delta=msg, finish_reason=reason) if body.stream
+                    else api.ChatChoice(message=msg, finish_reason=reason))
+
+        if not body.stream:
+            parts = [p async for p in srv.text(h, http, params.stop)]
+            out, reason, n = "".join(p[0] for p in parts), parts[-1][1], parts[-1][2]
+            return JSONResponse(obj([choice(out, reason, "assistant")], usage(n)))
+
+        async def events() -> AsyncIterator[str]:
+            try:
+                if chat:
+                    yield _sse(obj([choice("", None, "assistant")]))
+                async for piece, reason, n in srv.text(h, http, params.stop):
+                    if piece:
+                        yield _sse(obj([choice(piece, None)]))
+                    if reason is not None:
+                        yield _sse(obj([choice(None, reason)]))
+                        if body.include_usage:
+                            yield _sse(obj([], usage(n)))
+                yield "data: [DONE]\n\n"
+            except api.APIError as e:
+                yield _sse(e.body)
+            except ClientGone:
+                pass
+
+        return _SSEResponse(events(), lambda: srv.close(h))
+
+    @app.post("/v1/completions")
+    async def completions(http: Request) -> Response:
+        return await respond(http, api.CompletionRequest)
+
+    @app.post("/v1/chat/completions")
+    async def chat(http: Request) -> Response:
+        return await respond(http, api.ChatRequest)
+
+    # Outside the exception handlers, so their error responses are counted too.
+    app.add_middleware(CountResponses, counter=srv.metrics.responses)
+    return app

@@ -1,0 +1,161 @@
+"""The OpenAI API's bodies as pydantic models: requests with every range and rule declared on
+the fields (sampling fields reuse `engine.config`'s types), responses, and the error body.
+Request defaults follow OpenAI's (`temperature` 1.0); extensions: `top_k` (-1 off) and
+`ignore_eos`; parameters the engine does not implement are accepted at their neutral values."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal, TypeVar
+
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
+
+from engine.config import SamplingParams, Seed, StopString, Temperature, TopK, TopP
+
+MAX_BODY_BYTES = 16 << 20
+Positive = Annotated[int, Field(ge=1)]
+Neutral = Annotated[float, Field(ge=0, le=0)]  # only the value that changes nothing
+Text = Annotated[str, Field(min_length=1)]
+Ids = Annotated[list[int], Field(min_length=1)]
+BodyT = TypeVar("BodyT", bound=BaseModel)
+
+
+class APIError(Exception):
+    """An error returned to the client as an OpenAI error body."""
+
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 code: str | None = None, err_type: str = "invalid_request_error",
+                 headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status, self.headers = status, headers
+        self.body = {"error": {"message": message, "type": err_type, "param": param,
+                               "code": code}}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body, status_code=self.status, headers=self.headers)
+
+
+def bad(param: str | None, message: str, code: str = "invalid_value") -> APIError:
+    return APIError(400, message, param, code)
+
+
+def parse(raw: bytes, model: type[BodyT]) -> BodyT:
+    """A JSON body as `model` whatever the Content-Type said (curl -d sends a form type); a
+    pydantic error becomes a 400 naming the field (unknown fields first: a misspelt name usually
+    explains the rest)."""
+    if len(raw) > MAX_BODY_BYTES:
+        raise APIError(413, f"the request body has {len(raw)} bytes; the limit is "
+                            f"{MAX_BODY_BYTES}", None, "request_too_large")
+    try:
+        return model.model_validate_json(raw)
+    except ValidationError as e:
+        errs = e.errors()
+    err = next((x for x in errs if x["type"] == "extra_forbidden"), errs[0])
+    loc, kind, msg = [str(x) for x in err["loc"]], err["type"], err["msg"]
+    if kind == "json_invalid":
+        raise bad(None, f"the body is not valid JSON: {msg}", "invalid_json")
+    if not loc:
+        raise bad(None, f"the body must be a JSON object: {msg}", "invalid_type")
+    if kind == "extra_forbidden":
+        extra = ", ".join(str(x["loc"][0]) for x in errs if x["type"] == kind)
+        raise bad(loc[0], f"Unrecognized request argument(s) supplied: {extra}",
+                  "unknown_parameter")
+    if kind == "missing":
+        raise bad(loc[0], f"{loc[0]} is required", "missing_required_parameter")
+    raise bad(loc[0], f"invalid value for '{'.'.join(loc)}': {msg.removeprefix('Value error, ')}")
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    include_usage: bool = False
+
+
+class _Request(BaseModel):
+    # NOTE: strict, so "5" is not silently a max_tokens of 5 and true is not a temperature.
+    model_config = ConfigDict(extra="forbid", strict=True)
+    model: str | None = None
+    max_tokens: Positive | None = None
+    temperature: Temperature = 1.0
+    top_p: TopP = 1.0
+    top_k: TopK = -1
+    seed: Seed | None = None
+    n: Literal[1] = 1
+    stop: StopString | Annotated[list[StopString], Field(max_length=4)] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool = False
+    user: str | None = None
+    presence_penalty: Neutral | None = None
+    frequency_penalty: Neutral | None = None
+    logprobs: Literal[False, 0] | None = None
+
+    @field_validator("stream_options")
+    @classmethod
+    def _only_when_streaming(cls, v: Any, info: ValidationInfo) -> Any:
+        if v is not None and not info.data.get("stream"):
+            raise ValueError("stream_options is only allowed when stream is true")
+        return v
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    def sampling_params(self, max_new_tokens: int) -> SamplingParams:
+        stop = [self.stop] if isinstance(self.stop, str) else self.stop or []
+        return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
+                              max_new_tokens=max_new_tokens, seed=self.seed,
+                              ignore_eos=self.ignore_eos, stop=tuple(stop))
+
+
+class CompletionRequest(_Request):
+    prompt: Text | Ids | Annotated[list[Text] | list[Ids], Field(min_length=1, max_length=1)]
+    echo: Literal[False] = False
+    best_of: Literal[1] = 1
+    suffix: Literal[""] | None = None
+
+    def one_prompt(self) -> str | list[int]:
+        p = self.prompt
+        return p[0] if isinstance(p, list) and isinstance(p[0], str | list) else p
+
+
+class ChatRequest(_Request):
+    messages: Annotated[list[dict[str, Any]], Field(min_length=1)]
+    max_completion_tokens: Positive | None = None
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class Message(BaseModel):
+    role: Literal["assistant"] | None = "assistant"
+    content: str | None = None
+
+
+class Choice(BaseModel):
+    index: int = 0
+    logprobs: None = None
+    finish_reason: str | None = None
+
+
+class CompletionChoice(Choice):
+    text: str
+
+
+class ChatChoice(Choice):
+    message: Message
+
+
+class ChunkChoice(Choice):
+    delta: Message
+
+
+class Response(BaseModel):
+    id: str
+    object: str
+    created: int
+    model: str
+    choices: list[CompletionChoice | ChatChoice | ChunkChoice]
+    usage: Usage | None = None

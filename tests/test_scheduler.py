@@ -1,0 +1,150 @@
+"""The scheduler on its own, driven by a fake runner: admission, page reservations, preemption
+and recomputation, stop conditions, aborts. No model, no torch."""
+
+from __future__ import annotations
+
+import ast
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from engine.config import SamplingParams
+from engine.request import Request
+from engine.runner import PrefillInputs, StepInputs
+from engine.scheduler import RequestRejected, Scheduler
+
+PAGE = 4
+EOS = 99
+
+
+@dataclass
+class FakeShape:
+    max_emit: int
+
+
+class FakeRunner:
+    """Each step emits `emit` tokens per row, counting up from the row's anchor (`anchor + 1,
+    anchor + 2, ...`); a prefill's first token is the last prompt token + 1. It records every
+    call and checks that each row owns the pages the step may write."""
+
+    def __init__(self, emit: int = 3, max_emit: int = 4):
+        self.emit, self.shape = emit, FakeShape(max_emit)
+        self.prefills: list[PrefillInputs] = []
+        self.steps: list[StepInputs] = []
+
+    def coins_per_row(self, b: int) -> int:
+        return 5
+
+    def prefill(self, inp: PrefillInputs) -> int | None:
+        self.prefills.append(inp)
+        assert len(inp.pages) * PAGE >= len(inp.tokens) + self.shape.max_emit
+        return None if inp.params is None else inp.tokens[-1] + 1
+
+    def step(self, inp: StepInputs) -> tuple[list[list[int]], list[int]]:
+        self.steps.append(inp)
+        for pages, n in zip(inp.pages, inp.cache_len):
+            assert len(pages) * PAGE >= n + self.shape.max_emit, "a step may write past its pages"
+        assert all(len(c) == 5 for c in inp.coins)
+        emitted = [[a + j for j in range(1, self.emit + 1)] for a in inp.anchor]
+        return emitted, [self.emit - 1] * len(emitted)
+
+
+def scheduler(runner: FakeRunner, num_pages: int = 64, **kw) -> Scheduler:
+    return Scheduler(runner, num_pages=num_pages, page_size=PAGE, vocab_size=1000,
+                     max_batch_size=kw.pop("max_batch_size", 4), max_model_len=200,
+                     stop_ids=frozenset([EOS]), **kw)
+
+
+def run(s: Scheduler) -> None:
+    while s.has_work:
+        s.step()
+
+
+def req(rid: int, prompt: list[int], **kw) -> Request:
+    return Request(rid, prompt, SamplingParams(**kw))
+
+
+def test_the_scheduler_holds_no_torch():
+    for name in ("scheduler.py", "request.py"):
+        tree = ast.parse((Path(__file__).parent.parent / "engine" / name).read_text())
+        mods = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+        mods |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+        assert not any(m and m.split(".")[0] == "torch" for m in mods), name
+
+
+def test_requests_run_to_their_length_and_free_their_pages():
+    r, s = FakeRunner(), None
+    s = scheduler(r)
+    free = s.alloc.num_free
+    a, b = req(0, [1, 2, 3], max_new_tokens=7), req(1, [10, 11], max_new_tokens=2)
+    s.add(a)
+    s.add(b)
+    run(s)
+    assert a.output_ids == [4, 5, 6, 7, 8, 9, 10] and a.finish_reason == "length"
+    assert b.output_ids == [12, 13] and b.finish_reason == "length"
+    assert s.alloc.num_free == free and not a.pages and not b.pages
+    # the prefill drew the first token; each step continued from the last one (the anchor)
+    assert [p.tokens for p in r.prefills] == [[1, 2, 3], [10, 11]]
+    assert r.steps[0].anchor == [4, 12] and r.steps[0].cache_len == [3, 2]
+
+
+def test_batch_size_limits_admission():
+    r = FakeRunner()
+    s = scheduler(r, max_batch_size=2)
+    for i in range(5):
+        s.add(req(i, [i + 1], max_new_tokens=10))
+    s.step()
+    assert len(s.running) == 2 and len(s.waiting) == 3
+    run(s)
+    assert max(len(x.anchor) for x in r.steps) == 2
+
+
+def test_stop_token_and_stop_string():
+    r = FakeRunner(emit=4)
+    detok = lambda ids: "".join(chr(96 + i % 26) for i in ids)  # noqa: E731
+    s = scheduler(r, detok=detok)
+    eos = req(0, [EOS - 3], max_new_tokens=50)  # prefill gives EOS-2, the step EOS-1, EOS
+    stop = req(1, [0], max_new_tokens=50, stop=("cde",))  # tokens 1.. spell "abcdef..."
+    s.add(eos)
+    s.add(stop)
+    run(s)
+    assert eos.output_ids == [EOS - 2, EOS - 1] and eos.finish_reason == "stop"
+    assert stop.finish_reason == "stop" and stop.text_end == detok(stop.output_ids).find("cde")
+
+
+def test_preemption_recomputes_the_newest_request():
+    """With too few pages for both, the newer request is preempted and later prefilled again
+    from its prompt and output so far (without drawing a new first token)."""
+    r = FakeRunner()
+    s = scheduler(r, num_pages=12)  # 11 usable pages of 4 tokens
+    old, new = req(0, [1] * 10, max_new_tokens=24), req(1, [2] * 10, max_new_tokens=24)
+    s.add(old)
+    s.add(new)
+    run(s)
+    assert s.num_preemptions >= 1
+    again = [p for p in r.prefills if p.params is None]
+    assert again and all(p.tokens[:10] == [2] * 10 for p in again)
+    for x, start in ((old, 2), (new, 3)):
+        assert len(x.output_ids) == 24 and x.finish_reason == "length"
+        assert x.output_ids == list(range(start, start + 24))
+    assert s.alloc.num_free == 11
+
+
+def test_rejections_and_aborts():
+    s = scheduler(FakeRunner(), num_pages=6)
+    with pytest.raises(RequestRejected, match="empty"):
+        s.add(req(0, []))
+    with pytest.raises(RequestRejected, match="context limit"):
+        s.add(req(1, [1] * 200))
+    with pytest.raises(RequestRejected, match="KV pages"):
+        s.add(req(2, [1] * 20, max_new_tokens=100))
+    with pytest.raises(RequestRejected, match="outside the vocabulary"):
+        s.add(req(3, [5, 1000], max_new_tokens=4))
+    x = req(4, [1, 2], max_new_tokens=8)
+    s.add(x)
+    s.step()
+    assert x.pages
+    s.abort(x)
+    assert x.finish_reason == "abort" and not x.pages and not s.has_work
+    assert s.alloc.num_free == 5
