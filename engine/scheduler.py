@@ -45,11 +45,13 @@ class RequestRejected(ValueError):
 
 @dataclass
 class StepEvent:
-    """What one request got from one engine step: new tokens and, when it ended, why."""
+    """What one request got from one engine step: new tokens, whether it ended (its
+    `finish_reason` says why), and the tokens its spec step emitted (0 for a prefill)."""
 
     req: Request
     new_ids: list[int]
     finished: bool
+    emitted: int = 0
 
 
 def step_inputs(reqs: Sequence[Request], coins_per_row: int) -> StepInputs:
@@ -212,7 +214,7 @@ class Scheduler:
             req.num_steps += 1
             req.accept_lengths.append(acc + 1)
             kept = self._apply(req, toks)
-            events.append(StepEvent(req, kept, req.finished))
+            events.append(StepEvent(req, kept, req.finished, acc + 1))
             if req.finished:
                 self._release(req)
             else:

@@ -450,6 +450,35 @@ class IncrementalDecoder:
         return text
 
 
+class TextStream:
+    """The text of a growing list of ids, released as it becomes final: a character split across
+    tokens waits for the rest, and with `stop` strings the last (longest stop - 1) characters wait
+    until later ids show they do not start one, so no text past a stop ever leaves. `end` gives
+    the rest: the pieces add up to one decode of every id, cut at `text_end` (where a stop string
+    matched), exactly the text a non-streamed answer has."""
+
+    def __init__(self, tokenizer: Tokenizer, stop: Sequence[str] = (),
+                 skip_special_tokens: bool = True) -> None:
+        self._tok, self._skip = tokenizer, skip_special_tokens
+        self._dec = tokenizer.stream_decoder(skip_special_tokens)
+        self._hold = max(map(len, stop), default=1) - 1
+        self.ids: list[int] = []
+        self._text, self._sent = "", 0
+
+    def push(self, ids: Sequence[int]) -> str:
+        self.ids += ids
+        self._text += self._dec.push(ids)
+        end = len(self._text) - self._hold
+        if end <= self._sent:
+            return ""
+        piece, self._sent = self._text[self._sent:end], end
+        return piece
+
+    def end(self, ids: Sequence[int], text_end: int | None = None) -> str:
+        self.ids += ids
+        return self._tok.decode(self.ids, self._skip)[:text_end][self._sent:]
+
+
 def write_tokenizer_files(
     out_dir: str | os.PathLike[str],
     mergeable_ranks: dict[bytes, int],

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from engine.config import SamplingParams
+from engine.scheduler import step_inputs
 from engine.spec import StepShape, slot_of, spec_step
 from tests.graph_helpers import (
     BLOCK,
@@ -18,6 +19,7 @@ from tests.graph_helpers import (
     prefilled,
     request_slots,
     runner_for,
+    step,
     write_pair,
 )
 
@@ -61,7 +63,7 @@ def test_replay_equals_eager_for_every_size(models, mode, sample):
     for b in range(1, max(SIZES) + 1):
         reqs = prefilled(models, pool, shape, _prompts(b), _params(b, sample))
         start = clone_pool(pool)
-        buf, shp, width = runner.load(reqs)
+        buf, shp, width = runner.load(step_inputs(reqs, runner.coins_per_row(b)))
         size = runner.padded_size(b)
         assert buf.anchor.shape[0] == size and width == runner.max_pages
         runner.graphs[(size, shp.sample)].replay()
@@ -90,7 +92,7 @@ def test_replay_has_no_host_sync(models):
     runner = runner_for(models, pool, shape, [1, 4])
     runner.capture(progress=False)
     reqs = prefilled(models, pool, shape, _prompts(3), _params(3, True))
-    buf, shp, _ = runner.load(reqs)
+    buf, shp, _ = runner.load(step_inputs(reqs, runner.coins_per_row(len(reqs))))
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
@@ -118,7 +120,7 @@ def test_runner_step_on_graphs_matches_eager_runner(models):
         rs = fresh_copies(reqs)
         steps = []
         for _ in range(4):
-            emitted, accepted = runner.step(rs)
+            emitted, accepted = step(runner, rs)
             for r, t, a in zip(rs, emitted, accepted):
                 r.cache_len += a + 1
                 r.output_ids += t

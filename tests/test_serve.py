@@ -223,7 +223,7 @@ def test_models_health_metrics(server: ServerProc, client: openai.OpenAI) -> Non
     for name in ("kimi_prompt_tokens_total", "kimi_generation_tokens_total",
                  "kimi_queue_depth", "kimi_running_requests", "kimi_kv_pages_free",
                  "kimi_accepted_tokens_per_step_count", 'kimi_step_phase_seconds_total{'
-                 'phase="verify"}', 'kimi_requests_total{endpoint="/v1/completions",'
+                 'phase="verify"}', 'kimi_requests_total{handler="/v1/completions",'
                  'status="200"}'):
         assert name in m, name
     assert m["kimi_generation_tokens_total"] >= 1

@@ -1,10 +1,6 @@
-"""OpenAI-compatible HTTP server: `protocol` declares the bodies, `worker` runs the engine
-loop, `app` the routes and streaming, `metrics` the Prometheus side.
-
-    python -m engine.serve [engine flags: --model DIR --draft DIR --mode --budget ...]
-        [--host 127.0.0.1 --port 8000 --max-queue 256 --served-model-name NAME]
-    torchrun --nproc-per-node N -m engine.serve --tp N ...   (tensor parallel; rank 0 serves)
-"""
+"""`python -m engine.serve`: an OpenAI-compatible server (`torchrun --nproc-per-node N -m
+engine.serve --tp N ...` under tensor parallelism; rank 0 serves). `protocol` declares the
+bodies, `worker` runs the engine loop, `app` the routes and streaming, `metrics` Prometheus."""
 
 from __future__ import annotations
 
@@ -53,11 +49,9 @@ def main(argv: list[str] | None = None) -> None:
     llm = LLM(config=engine)
     if not llm.is_leader:  # tensor-parallel ranks > 0 run rank 0's model calls until it stops
         try:
-            llm.close()
+            return llm.close()
         except PeerLost as e:
-            log.error("%s", e)
-            sys.exit(1)
-        return
+            sys.exit(f"error: {e}")
     name = cfg.served_model_name or llm.model_dir.resolve().name
     app = build_app(llm, name, cfg.max_queue)
     log.info("serving %r on http://%s:%d (max_model_len %d, %d KV pages)", name, cfg.host,
@@ -69,5 +63,4 @@ def main(argv: list[str] | None = None) -> None:
     finally:
         llm.close()
     if app.state.server.engine.fatal:
-        log.error("stopped: %s", app.state.server.engine.fatal)
-        sys.exit(1)
+        sys.exit(f"error: stopped: {app.state.server.engine.fatal}")

@@ -1,7 +1,6 @@
-"""Routes, admission (queue limit, context checks) and streaming: `GET /v1/models`,
-`POST /v1/completions` and `POST /v1/chat/completions` (with `stream`: server-sent events ending
-in `data: [DONE]`), `GET /health` (free KV pages, batch and queue sizes), `GET /metrics`.
-`max_tokens` defaults to 16 for completions and to the rest of the context for chat."""
+"""Routes, admission and streaming: `GET /v1/models`, `POST /v1/completions` and
+`/v1/chat/completions` (`stream`: server-sent events ending in `data: [DONE]`), `GET /health`,
+`GET /metrics`. `max_tokens` defaults to 16 for completions, the context's rest for chat."""
 
 from __future__ import annotations
 
@@ -15,7 +14,6 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 from starlette.types import Receive, Scope, Send
@@ -24,9 +22,8 @@ from engine.config import SamplingParams
 from engine.llm import LLM
 from engine.scheduler import RequestRejected
 from engine.serve import protocol as api
-from engine.serve.metrics import ENDPOINTS, CountResponses
 from engine.serve.worker import ClientGone, Engine, Handle
-from engine.tokenizer import TokenizerError
+from engine.tokenizer import TextStream, TokenizerError
 
 log = logging.getLogger("engine.serve")
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
@@ -39,22 +36,20 @@ class Server:
     def __init__(self, llm: LLM, served_model_name: str, max_queue: int = 256):
         self.llm, self.name, self.max_queue = llm, served_model_name, max_queue
         self.engine = Engine(llm)
-        self.metrics = self.engine.metrics
         self.created = int(time.time())
         self.active = 0  # requests submitted and not yet closed (event-loop thread only)
-        self.metrics.queue_depth.set_function(lambda: max(self.engine.snapshot["waiting"],
-                                                          self.waiting))
+        self.engine.metrics.queue_depth.set_function(lambda: max(self.engine.snapshot["waiting"],
+                                                                 self.waiting))
 
     @property
-    def waiting(self) -> int:
-        """Requests handed to the engine that are not running yet."""
+    def waiting(self) -> int:  # handed to the engine, not running yet
         return self.active - self.engine.snapshot["running"]
 
     async def prepare(self, body: Body) -> tuple[list[int], SamplingParams]:
         """The prompt's token ids and the request's sampling, checked against the context."""
         if body.model is not None and body.model != self.name:
-            raise api.APIError(404, f"The model '{body.model}' does not exist; this server "
-                                    f"serves '{self.name}'", "model", "model_not_found")
+            raise api.error(404, f"The model '{body.model}' does not exist; this server serves "
+                                 f"'{self.name}'", "model", "model_not_found")
         tok, chat = self.llm.tokenizer, isinstance(body, api.ChatRequest)
         param, prompt = ("messages", body.messages) if chat else ("prompt", body.one_prompt())
         if tok is None and (chat or isinstance(prompt, str) or body.stop):
@@ -83,9 +78,9 @@ class Server:
     def start(self, ids: list[int], params: SamplingParams, param: str) -> Handle:
         """Hands the request to the engine (or says why it cannot run)."""
         if self.waiting >= self.max_queue:
-            raise api.APIError(503, f"the server is busy: {self.waiting} requests are already "
-                                    f"waiting (--max-queue {self.max_queue}); retry later", None,
-                               "queue_full", "server_error", headers={"Retry-After": "1"})
+            raise api.error(503, f"the server is busy: {self.waiting} requests are already "
+                                 f"waiting (--max-queue {self.max_queue}); retry later", None,
+                            "queue_full", "server_error", headers={"Retry-After": "1"})
         h = Handle(self.llm.make_request(ids, params))
         try:
             self.engine.submit(h)
@@ -102,35 +97,28 @@ class Server:
             h.closed = True
             self.active -= 1
             if not h.finished:
-                self.engine.abort(h)
+                self.engine.post("abort", h)
 
     async def text(self, h: Handle, http: Request, stop: tuple[str, ...]
                    ) -> AsyncIterator[tuple[str, str | None, int]]:
-        """`(new text, finish reason or None, tokens so far)` as the request runs. Text is
-        decoded incrementally; with stop strings the last (longest stop - 1) characters wait
-        until later tokens show they do not start one, so no text past a stop ever leaves. The
-        last piece completes one decode of all ids, so the pieces add up to the whole text."""
-        tok = self.llm.tokenizer
-        dec = tok.stream_decoder(skip_special_tokens=True) if tok else None
-        hold = max(map(len, stop), default=1) - 1
-        ids: list[int] = []
-        text, sent = "", 0
+        """`(new text, finish reason or None, tokens so far)` as the request runs (see
+        `engine.tokenizer.TextStream`: the pieces add up to the whole answer's text)."""
+        out = TextStream(self.llm.tokenizer, stop) if self.llm.tokenizer else None
+        n = 0
         try:
             while True:
                 item = await h.next(http)
                 if item[0] == "error":
                     h.finished = True
-                    raise api.APIError(500, str(item[1]), None, "engine_error", "server_error")
+                    raise api.error(500, str(item[1]), None, "engine_error", "server_error")
                 _, new, reason, text_end = item
-                ids += new
+                n += len(new)
                 if reason is not None:
                     h.finished = True
-                    yield self.llm.decode(ids)[:text_end][sent:], reason, len(ids)
+                    yield out.end(new, text_end) if out else "", reason, n
                     return
-                text += dec.push(new) if dec else ""
-                if len(text) - hold > sent:
-                    yield text[sent:len(text) - hold], None, len(ids)
-                    sent = len(text) - hold
+                if piece := out.push(new) if out else "":
+                    yield piece, None, n
         finally:
             self.close(h)
 
@@ -168,30 +156,26 @@ def build_app(llm: LLM, served_model_name: str, max_queue: int = 256) -> FastAPI
 
     app = FastAPI(title="kimi-spec", lifespan=lifespan)
     app.state.server = srv
-    app.add_exception_handler(api.APIError, lambda _, e: e.response())
     # 499 (nginx's "client closed request"): nobody reads it, the count stays honest.
     app.add_exception_handler(ClientGone, lambda _, e: Response(status_code=499))
-    app.add_exception_handler(HTTPException, lambda _, e: api.APIError(
-        e.status_code, str(e.detail), None, "not_found" if e.status_code == 404 else None
-    ).response())
+
+    @app.exception_handler(HTTPException)  # ours carry OpenAI's body; Starlette's get one too
+    async def _error(_: Request, e: HTTPException) -> JSONResponse:
+        body = e.detail if isinstance(e.detail, dict) else api.error(
+            e.status_code, str(e.detail), code="not_found" if e.status_code == 404 else None
+        ).detail
+        return JSONResponse(body, e.status_code, e.headers)
 
     @app.exception_handler(Exception)
-    async def _internal(http: Request, exc: Exception) -> JSONResponse:
+    async def _internal(_: Request, exc: Exception) -> JSONResponse:
         log.exception("unhandled error")
-        # NOTE: this handler runs outside CountResponses, so its response is counted here.
-        path = http.url.path
-        srv.metrics.responses.labels(path if path in ENDPOINTS else "other", "500").inc()
-        return api.APIError(500, f"internal error: {type(exc).__name__}: {exc}", None,
-                            "internal_error", "server_error").response()
+        return JSONResponse(api.error(500, f"internal error: {type(exc).__name__}: {exc}", None,
+                                      "internal_error", "server_error").detail, 500)
 
     @app.get("/health")
     async def health() -> dict[str, Any]:
         return {"status": "ok", "model": srv.name, "max_model_len": llm.max_model_len,
                 "active": srv.active, **srv.engine.snapshot}
-
-    @app.get("/metrics")
-    async def metrics() -> Response:
-        return Response(generate_latest(srv.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
@@ -239,8 +223,8 @@ def build_app(llm: LLM, served_model_name: str, max_queue: int = 256) -> FastAPI
                         if body.include_usage:
                             yield _sse(obj([], usage(n)))
                 yield "data: [DONE]\n\n"
-            except api.APIError as e:
-                yield _sse(e.body)
+            except HTTPException as e:
+                yield _sse(e.detail)
             except ClientGone:
                 pass
 
@@ -254,6 +238,5 @@ def build_app(llm: LLM, served_model_name: str, max_queue: int = 256) -> FastAPI
     async def chat(http: Request) -> Response:
         return await respond(http, api.ChatRequest)
 
-    # Outside the exception handlers, so their error responses are counted too.
-    app.add_middleware(CountResponses, counter=srv.metrics.responses)
+    srv.engine.metrics.instrument(app)
     return app

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, TypeVar
 
-from fastapi.responses import JSONResponse
+from fastapi import HTTPException
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
 from engine.config import SamplingParams, Seed, StopString, Temperature, TopK, TopP
@@ -20,23 +20,16 @@ Ids = Annotated[list[int], Field(min_length=1)]
 BodyT = TypeVar("BodyT", bound=BaseModel)
 
 
-class APIError(Exception):
-    """An error returned to the client as an OpenAI error body."""
-
-    def __init__(self, status: int, message: str, param: str | None = None,
-                 code: str | None = None, err_type: str = "invalid_request_error",
-                 headers: dict[str, str] | None = None):
-        super().__init__(message)
-        self.status, self.headers = status, headers
-        self.body = {"error": {"message": message, "type": err_type, "param": param,
-                               "code": code}}
-
-    def response(self) -> JSONResponse:
-        return JSONResponse(self.body, status_code=self.status, headers=self.headers)
+def error(status: int, message: str, param: str | None = None, code: str | None = None,
+          kind: str = "invalid_request_error", headers: dict[str, str] | None = None
+          ) -> HTTPException:
+    """An HTTP error whose `detail` is OpenAI's error body (the app sends it as the body)."""
+    return HTTPException(status, {"error": {"message": message, "type": kind, "param": param,
+                                            "code": code}}, headers)
 
 
-def bad(param: str | None, message: str, code: str = "invalid_value") -> APIError:
-    return APIError(400, message, param, code)
+def bad(param: str | None, message: str, code: str = "invalid_value") -> HTTPException:
+    return error(400, message, param, code)
 
 
 def parse(raw: bytes, model: type[BodyT]) -> BodyT:
@@ -44,8 +37,8 @@ def parse(raw: bytes, model: type[BodyT]) -> BodyT:
     pydantic error becomes a 400 naming the field (unknown fields first: a misspelt name usually
     explains the rest)."""
     if len(raw) > MAX_BODY_BYTES:
-        raise APIError(413, f"the request body has {len(raw)} bytes; the limit is "
-                            f"{MAX_BODY_BYTES}", None, "request_too_large")
+        raise error(413, f"the request body has {len(raw)} bytes; the limit is {MAX_BODY_BYTES}",
+                    None, "request_too_large")
     try:
         return model.model_validate_json(raw)
     except ValidationError as e:

@@ -22,9 +22,7 @@ from engine.request import Request as EngineRequest
 from engine.serve.metrics import Metrics
 
 log = logging.getLogger("engine.serve")
-# How often a handler waiting for tokens checks whether its client left (streams are also
-# cancelled by Starlette on disconnect; this catches non-streaming requests).
-DISCONNECT_POLL_S = 0.25
+DISCONNECT_POLL_S = 0.25  # how often a waiting handler checks that its client is still there
 
 
 class ClientGone(Exception):
@@ -40,7 +38,6 @@ class Handle:
     queue: asyncio.Queue[tuple[Any, ...]] = field(default_factory=asyncio.Queue)
     finished: bool = False  # set by the HTTP side once the final item was read
     closed: bool = False
-    steps_seen: int = 0  # accept lengths already counted
     _checked: float = 0.0
 
     async def next(self, http: Request | None) -> tuple[Any, ...]:
@@ -77,19 +74,18 @@ class Engine:
 
     async def stop(self) -> None:
         if self._task is not None:
-            self._todo.append(("stop", None))  # type: ignore[arg-type]
-            self._wake.set()
+            self.post("stop", None)
             await self._task
             self._task = None
 
     def submit(self, h: Handle) -> None:
         """Queues `h`'s request; raises RequestRejected at once when it can never run."""
         self.sched.check(h.req)  # NOTE: reads fixed limits only, so it may run beside a step
-        self._todo.append(("add", h))
-        self._wake.set()
+        self.post("add", h)
 
-    def abort(self, h: Handle) -> None:
-        self._todo.append(("abort", h))
+    def post(self, kind: str, h: Handle | None) -> None:
+        """`abort` a request, or `stop`, when the engine is next between steps."""
+        self._todo.append((kind, h))  # type: ignore[arg-type]
         self._wake.set()
 
     async def _run(self) -> None:
@@ -142,9 +138,8 @@ class Engine:
             h, req = self._live.get(ev.req.rid), ev.req
             if h is None:
                 continue
-            for a in req.accept_lengths[h.steps_seen:]:
-                m.accepted.observe(a)
-            h.steps_seen = len(req.accept_lengths)
+            if ev.emitted:
+                m.accepted.observe(ev.emitted)
             m.generated.inc(len(ev.new_ids))
             reason = req.finish_reason if ev.finished else None
             if ev.finished:
