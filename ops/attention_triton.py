@@ -38,13 +38,11 @@ Design (split-KV, fixed grid, early exit):
   (largest without register spills on sm_90a); widths that are not powers of two (or below
   16) are padded and masked.
 
-Interpreter: on CPU tensors the kernels always run under Triton's interpreter (the wrapped
-Python function is re-wrapped in `InterpretedFunction`), whether or not `TRITON_INTERPRET=1`
-was set before this module was imported. In triton 3.9.0 the variable is read whenever
-`@triton.jit` decorates a function: at this module's import for these kernels, but at `import
-triton` for `triton.language.standard` (`tl.max`, `tl.sum`, `tl.cdiv`, `tl.zeros`, ...), which
-the kernels therefore do not call. The interpreter multiplies bf16 dot operands as raw bits,
-so on the CPU the (already rounded) 16-bit tiles are widened to fp32 before each dot.
+Interpreter: on CPU tensors the kernels run under Triton's interpreter whatever
+`TRITON_INTERPRET` said at import (`ops.triton_util.kernel_for`; the limits are listed there):
+the kernels call no `@jit` function of `triton.language.standard` (`tl.max`, `tl.sum`, ...;
+they reduce with `tl.reduce` and its combine functions), and on the CPU the (already rounded)
+16-bit tiles are widened to fp32 before each dot (`ops.triton_util.ieee_dots`).
 
 Accepted index dtypes: `page_table` int32 or int64 (any strides), `ctx_len` int32 or int64.
 Graph-safe: no host sync, outputs and partials have shape-only sizes.
@@ -59,16 +57,18 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from ops.triton_util import ieee_dots, pow2_tile
+from ops.triton_util import kernel_for as _kernel_for
+
 LOG2E = 1.4426950408889634
 # NOTE: about two waves of programs on a 132-SM H200; splits only add parallelism for small
 # batches and never exceed the number of key tiles in the table.
 TARGET_PROGRAMS = 264
 MAX_SPLITS = 32
-# NOTE: the kernels call only `triton.language` builtins and `tl.reduce` with these combine
-# functions (what `tl.max` / `tl.sum` reduce with). `tl.max`, `tl.sum`, `tl.cdiv` and
-# `tl.zeros` are themselves `@jit` functions decorated when triton is imported: had triton
-# been imported without `TRITON_INTERPRET=1`, the interpreter could not call them. The
-# interpreter recognizes these two combine functions and reduces with numpy.
+# NOTE: the kernels reduce with `tl.reduce` and these combine functions (what `tl.max` /
+# `tl.sum` reduce with) instead of calling those `@jit` functions, which the interpreter cannot
+# call unless triton was imported under `TRITON_INTERPRET=1` (`ops.triton_util`); it
+# recognizes these two combine functions and reduces with numpy.
 _MAX = tl.standard._elementwise_max
 _SUM = tl.standard._sum_combine
 _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
@@ -210,27 +210,6 @@ def _merge_splits(
     tl.store(lse_ptr + orow, lse, mask=r_ok)
 
 
-_INTERPRETED: dict[Any, Any] = {}
-
-
-def _kernel_for(kernel: Any, device: torch.device) -> Any:
-    """The compiled kernel on an accelerator; on the CPU the interpreter's version of it,
-    whatever `TRITON_INTERPRET` was when this module was imported."""
-    if device.type != "cpu":
-        return kernel
-    from triton.runtime.interpreter import InterpretedFunction
-
-    if isinstance(kernel, InterpretedFunction):
-        return kernel
-    if kernel not in _INTERPRETED:
-        _INTERPRETED[kernel] = InterpretedFunction(kernel.fn)
-    return _INTERPRETED[kernel]
-
-
-def _pow2(n: int, lo: int = 16) -> int:
-    return max(lo, triton.next_power_of_2(n))
-
-
 def tile_config(dtype: torch.dtype, dv: int) -> tuple[int, int, int]:
     """`(max BLOCK_M, BLOCK_N, num_warps)` for a cache of `dtype` and value width `dv`.
 
@@ -240,7 +219,7 @@ def tile_config(dtype: torch.dtype, dv: int) -> tuple[int, int, int]:
     values 32 x 32 on 8 warps (185 registers, 84 KB shared), 128-wide heads 64 x 32 on 8
     warps, narrower 64 x 64 on 4. fp32 caches take IEEE FMA dots, which need more registers
     per element: 16 x 16 on 4 warps for 512, 32 x 32 on 8 for 128, 32 x 32 on 4 below."""
-    block_dv = _pow2(dv)
+    block_dv = pow2_tile(dv)
     if dtype == torch.float32:
         if block_dv >= 256:
             return 16, 16, 4
@@ -274,14 +253,14 @@ def fwd_meta(
     # NOTE: triton 3.9.0's interpreter multiplies bf16 dot operands as their raw uint16 bits;
     # on the CPU the (already rounded) 16-bit tiles are widened to fp32 for the dot, which is
     # exact: the interpreter reproduces the GPU's 16-bit dot up to summation order.
-    if device_type == "cpu" or dtype == torch.float32:
+    if ieee_dots(dtype, device_type):
         dot_t, prec = tl.float32, "ieee"
     else:
         dot_t, prec = _TL_DTYPES[dtype], "tf32"
     meta = dict(
         G=group, PAGE_SIZE=page_size, DA=da, DB=db, DV=dv,
-        BLOCK_M=block_m or max(16, min(_pow2(rows), bm_max)), BLOCK_N=block_n or bn,
-        BLOCK_DA=_pow2(da), BLOCK_DB=_pow2(max(db, 1)), BLOCK_DV=_pow2(dv),
+        BLOCK_M=block_m or pow2_tile(rows, hi=bm_max), BLOCK_N=block_n or bn,
+        BLOCK_DA=pow2_tile(da), BLOCK_DB=pow2_tile(max(db, 1)), BLOCK_DV=pow2_tile(dv),
         HAS_B=db > 0, V_IS_A=v_is_a, DOT_T=dot_t, DOT_PREC=prec)
     return meta, warps
 
@@ -334,7 +313,7 @@ def _paged_attention(
     lse = torch.empty(bs, M, NH, dtype=torch.float32, device=dev)
     rows = M * NH
     block_dv = meta["BLOCK_DV"]
-    block_r = max(1, min(_pow2(rows, 1), 4096 // block_dv, 64))
+    block_r = pow2_tile(rows, 1, min(4096 // block_dv, 64))
     _kernel_for(_merge_splits, dev)[(triton.cdiv(rows, block_r), bs)](
         part, plse, ctx_len, out, lse, rows, bs, W * page_size, chunk,
         DV=dv, BLOCK_R=block_r, BLOCK_DV=block_dv, num_warps=4)

@@ -1,119 +1,154 @@
-"""Triton FP8 block-scaled linear (weight-only dequantization in the kernel), and the launch
-helpers the Triton kernels of `ops.moe_triton` share.
+"""Triton GEMM that decodes its weight in the kernel (weight-only quantization), over dense rows
+or the blocks of an expert alignment; and the FP8 block-scaled linear built on it.
+
+`_dequant_gemm_kernel` (launched by `dequant_gemm`) computes `C = A @ W.T` with fp32
+accumulation, for a weight `[E, N, K]` (one matrix, `E = 1`, or a bank of experts) stored as
+
+- `"plain"`: values in a float dtype, used as loaded;
+- `"int4"`: `ops.quant.dequant_int4`'s packed words `[E, N, ceil(K/8)]` int32, scales `[E, N,
+  ceil(K/group)]` (`SCALE_N = 1`, `SCALE_K = group`): a `[BLOCK_K, BLOCK_N]` tile reads the
+  int32 word of each value (`k // 8`; eight values share one word, the repeats hit the cache),
+  shifts by `4 * (k % 8)`, masks the nibble and subtracts 8;
+- `"fp8"`: float8_e4m3fn `[E, N, K]`, block scales `[E, ceil(N/b0), ceil(K/b1)]` (`SCALE_N,
+  SCALE_K = b0, b1`). FP8 bytes travel as `uint8` and are bitcast to `tl.float8e4nv` in the
+  kernel: Triton's interpreter (3.9.0) handles that everywhere, while a masked load of a float8
+  pointer with `other=0` fails there ("cannot cast ... to fp8e4nv"); on a GPU both are the
+  same load.
+
+A decoded tile is multiplied by its scales in fp32 and rounded to A's dtype (bit for bit
+`dequant_int4` / `dequant_fp8_block` with `dtype=` A's dtype) before `tl.dot`; the accumulator
+is stored in C's dtype. Rows are either dense (row `m` of A into row `m` of C, grid `(cdiv(M,
+BLOCK_M), cdiv(N, BLOCK_N))`) or those of an expert alignment (`ops.moe.moe_align_block_size`,
+grid `(cap // block, cdiv(N, BLOCK_N))`, `ops.moe_triton` describes its use): each row tile is
+one block of one expert, row `r` the pair `p = sorted_ids[r]`, read from A's row `p // top_k`,
+optionally times the routing weight `p`, stored at C's row `p` (each pair once: no atomics);
+padding rows load zeros and store nothing, and blocks at or past `num_padded` exit at once.
+Both grids depend on shapes only (graph-safe, no host sync). `N` and `K` are constexpr: one
+compile per weight shape, known trip counts, and Triton 3.6's interpreter with numpy >= 2.4
+cannot take a runtime loop bound (`int()` of a 1-element array); row counts stay runtime.
+Tiles are powers of two, at least 16 on every `tl.dot` dimension; 64-bit offsets come from the
+int64 expert and pair ids, so banks past 2^31 elements work.
 
 `fp8_linear_triton(x [..., K], w [N, K] float8_e4m3fn, scale_inv [ceil(N/b0), ceil(K/b1)])`
--> `[..., N]` in x's dtype, `W[i, j] = w[i, j] * scale_inv[i // b0, j // b1]`: each weight tile
-is decoded to fp32, scaled per element by its block's scale, rounded to x's dtype (bit for bit
-`ops.quant.dequant_fp8_block(..., dtype=x.dtype)`) and fed to `tl.dot` with fp32
-accumulation. The torch twin is `ops.quant.fp8_linear_torch`.
+-> `[..., N]` in x's dtype, `W[i, j] = w[i, j] * scale_inv[i // b0, j // b1]`: the dense
+`"fp8"` launch. The torch twin is `ops.quant.fp8_linear_torch`.
 
-FP8 bytes travel as `uint8` and are bitcast to `tl.float8e4nv` in the kernel: Triton's
-interpreter (3.9.0) handles that everywhere, while a masked load of a float8 pointer with
-`other=0` fails there ("cannot cast ... to fp8e4nv"); on a GPU both are the same load.
-
-Interpreter: on CPU tensors the kernels always run under Triton's interpreter (the jitted
-function's Python body is re-wrapped in `InterpretedFunction`), whether or not
-`TRITON_INTERPRET=1` was set when this module was imported (triton reads the variable when
-`@triton.jit` decorates, not at `import triton`); so tests need no environment setup and a
-whole test session may mix CPU and CUDA runs. Two interpreter limits shape every kernel here:
-
-- `tl.dot` on bf16 tiles is wrong in the interpreter (bf16 is held as uint16 and multiplied as
-  integers), so on the CPU (`IEEE=True`) dot operands are widened to fp32; on a GPU bf16/fp16
-  tiles go to the tensor cores as they are, and fp32 inputs use `input_precision="ieee"` (no
-  TF32), so fp32 runs match the torch twins tightly everywhere.
-- Rounding fp32 to bf16 with `.to(tl.bfloat16)` truncates in the interpreter (numpy has no
-  bf16; even `fp_downcast_rounding="rtne"` misrounds half the values there), while a GPU rounds
-  to nearest even as torch does. On the CPU (`RNE=True`, bf16 targets only) the kernels round
-  by integer arithmetic on the fp32 bits first (`(u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000`,
-  exact for finite values), so the cast that follows is exact and both match torch bit for bit.
-- `tl.zeros`, `tl.sigmoid`, `tl.cdiv`, `tl.sum` are themselves `@triton.jit` functions
-  decorated when triton is imported; the interpreter cannot call them unless triton was
-  imported under `TRITON_INTERPRET=1`. The kernels use `tl.full` and `tl.exp` instead.
+On CPU tensors the kernel runs under Triton's interpreter with the workarounds described in
+`ops.triton_util` (launched through `kernel_for`): fp32 dot operands (`IEEE`), decoded bf16
+weight tiles (`RNE_W`) and bf16 outputs (`RNE_C`) rounded to nearest even by hand.
 """
 
 from __future__ import annotations
-
-from typing import Any
 
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
-_INTERPRETED: dict[Any, Any] = {}
-
-
-def kernel_for(kernel: Any, device: torch.device) -> Any:
-    """The compiled kernel on an accelerator; on the CPU the interpreter's version of it,
-    whatever `TRITON_INTERPRET` was when the kernel was decorated."""
-    if device.type != "cpu":
-        return kernel
-    from triton.runtime.interpreter import InterpretedFunction
-
-    if isinstance(kernel, InterpretedFunction):
-        return kernel
-    if kernel not in _INTERPRETED:
-        _INTERPRETED[kernel] = InterpretedFunction(kernel.fn)
-    return _INTERPRETED[kernel]
-
-
-def ieee_dots(x: Tensor) -> bool:
-    """Whether kernels fed `x` must widen dot operands to fp32: on the CPU (interpreter, see the
-    module docstring) and for fp32 inputs (IEEE fp32 instead of TF32)."""
-    return x.device.type == "cpu" or x.dtype == torch.float32
-
-
-def rne_bf16(dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether a kernel rounding to `dtype` must round to nearest even by hand (bf16 on the
-    interpreter; see the module docstring)."""
-    return device.type == "cpu" and dtype == torch.bfloat16
-
-
-def pow2_tile(n: int, lo: int = 16, hi: int = 128) -> int:
-    """A power-of-two tile for a dimension of size `n`, within `[lo, hi]` (`tl.dot` needs 16)."""
-    return max(lo, min(hi, triton.next_power_of_2(max(n, 1))))
+from ops.triton_util import ieee_dots, kernel_for, pow2_tile, rne_bf16
 
 
 @triton.jit
-def _fp8_linear_kernel(
-    x_ptr, w_ptr, s_ptr, y_ptr,
-    M, N,
-    s_xm, s_xk, s_wn, s_wk, s_sn, s_sk, s_ym, s_yn,
-    K: tl.constexpr, SCALE_N: tl.constexpr, SCALE_K: tl.constexpr,
+def _dequant_gemm_kernel(
+    a_ptr, w_ptr, s_ptr, c_ptr, rw_ptr, ids_ptr, bexp_ptr, npad_ptr,
+    M, top_k,
+    s_am, s_ak, s_we, s_wn, s_wk, s_se, s_sn, s_sk, s_cm, s_cn,
+    N: tl.constexpr, K: tl.constexpr, WEIGHT: tl.constexpr,
+    SCALE_N: tl.constexpr, SCALE_K: tl.constexpr, ALIGNED: tl.constexpr, ROUTED: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    IEEE: tl.constexpr, RNE: tl.constexpr,
+    IEEE: tl.constexpr, RNE_W: tl.constexpr, RNE_C: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
-    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    if ALIGNED:
+        if pid_m * BLOCK_M >= tl.load(npad_ptr):
+            return
+        e = tl.load(bexp_ptr + pid_m)
+        dst = tl.load(ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+        src = dst // top_k
+    else:
+        e = 0
+        dst = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        src = dst
+    live = dst < M
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    m_ok = rm < M
     n_ok = rn < N
+    w_base = w_ptr + e * s_we
+    s_base = s_ptr + e * s_se
     acc = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
     for k0 in range(0, K, BLOCK_K):
         rk = k0 + tl.arange(0, BLOCK_K)
         k_ok = rk < K
-        a = tl.load(x_ptr + rm[:, None] * s_xm + rk[None, :] * s_xk,
-                    mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        a = tl.load(a_ptr + src[:, None] * s_am + rk[None, :] * s_ak,
+                    mask=live[:, None] & k_ok[None, :], other=0.0)
         w_mask = k_ok[:, None] & n_ok[None, :]
-        wb = tl.load(w_ptr + rn[None, :] * s_wn + rk[:, None] * s_wk, mask=w_mask, other=0)
-        sc = tl.load(s_ptr + (rn[None, :] // SCALE_N) * s_sn + (rk[:, None] // SCALE_K) * s_sk,
-                     mask=w_mask, other=0.0)
-        # [BLOCK_K, BLOCK_N], rounded to x's dtype exactly as dequant_fp8_block(dtype=x.dtype).
-        b = wb.to(tl.float8e4nv, bitcast=True).to(tl.float32) * sc
-        if RNE:
-            ub = b.to(tl.uint32, bitcast=True)
-            b = ((ub + 0x7FFF + ((ub >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)
+        # The [BLOCK_K, BLOCK_N] weight tile, in A's dtype.
+        if WEIGHT == "plain":
+            b = tl.load(w_base + rk[:, None] * s_wk + rn[None, :] * s_wn, mask=w_mask, other=0.0)
+        else:
+            if WEIGHT == "int4":
+                word = tl.load(w_base + (rk[:, None] // 8) * s_wk + rn[None, :] * s_wn,
+                               mask=w_mask, other=0)
+                q = (((word >> ((rk[:, None] % 8) * 4)) & 0xF) - 8).to(tl.float32)
+            else:
+                byte = tl.load(w_base + rk[:, None] * s_wk + rn[None, :] * s_wn, mask=w_mask,
+                               other=0)
+                q = byte.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+            sc = tl.load(s_base + (rn[None, :] // SCALE_N) * s_sn + (rk[:, None] // SCALE_K) * s_sk,
+                         mask=w_mask, other=0.0)
+            b = q * sc.to(tl.float32)
+            if RNE_W:
+                ub = b.to(tl.uint32, bitcast=True)
+                b = ((ub + 0x7FFF + ((ub >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)
         b = b.to(a.dtype)
         if IEEE:
             acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
         else:
             acc = tl.dot(a, b, acc)
-    if RNE:
-        ua = acc.to(tl.uint32, bitcast=True)
-        acc = ((ua + 0x7FFF + ((ua >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)
-    tl.store(y_ptr + rm[:, None] * s_ym + rn[None, :] * s_yn, acc.to(y_ptr.dtype.element_ty),
-             mask=m_ok[:, None] & n_ok[None, :])
+    if ROUTED:
+        acc = acc * tl.load(rw_ptr + dst, mask=live, other=0.0).to(tl.float32)[:, None]
+    if RNE_C:
+        uc = acc.to(tl.uint32, bitcast=True)
+        acc = ((uc + 0x7FFF + ((uc >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)
+    tl.store(c_ptr + dst[:, None] * s_cm + rn[None, :] * s_cn, acc.to(c_ptr.dtype.element_ty),
+             mask=live[:, None] & n_ok[None, :])
+
+
+def dequant_gemm(
+    a: Tensor, w: Tensor, out: Tensor, *, weight: str = "plain", scale: Tensor | None = None,
+    scale_block: tuple[int, int] = (1, 1), align: tuple[Tensor, Tensor, Tensor] | None = None,
+    top_k: int = 1, routed: Tensor | None = None, tiles: tuple[int, int, int],
+) -> None:
+    """Launch `_dequant_gemm_kernel` into `out [M, N]` for `a [rows, K]` and the weight `w
+    [E, N, *]` of format `weight` ("plain", "int4", "fp8"; see the module docstring) with
+    `scale [E, *, *]` per `scale_block = (SCALE_N, SCALE_K)`; `tiles = (BLOCK_M, BLOCK_N,
+    BLOCK_K)`.
+
+    Dense (`align is None`, `E = 1`): `out[m] = a[m] @ W.T`. Aligned (`align = (sorted_ids,
+    block_expert, num_padded)` of `M` pairs, `BLOCK_M` its block): `out[p] = a[p // top_k] @
+    W_e.T` (times `routed[p]` when given) for each pair `p` in a block of expert `e`; rows of
+    `out` that belong to no block are left as they were.
+    """
+    bm, bn, bk = tiles
+    M, N = out.shape
+    # Stand-ins for pointers a launch never reads: any tensor will do.
+    s = scale if scale is not None else w
+    rw = routed if routed is not None else out
+    if align is None:
+        ids = bexp = npad = out
+        grid = (triton.cdiv(M, bm), triton.cdiv(N, bn))
+    else:
+        ids, bexp, npad = align
+        grid = (ids.shape[0] // bm, triton.cdiv(N, bn))
+    kernel_for(_dequant_gemm_kernel, a.device)[grid](
+        a, w, s, out, rw, ids, bexp, npad, M, top_k,
+        a.stride(0), a.stride(1), w.stride(0), w.stride(1), w.stride(2),
+        s.stride(0), s.stride(1), s.stride(2), out.stride(0), out.stride(1),
+        N=N, K=a.shape[1], WEIGHT=weight, SCALE_N=scale_block[0], SCALE_K=scale_block[1],
+        ALIGNED=align is not None, ROUTED=routed is not None, BLOCK_M=bm, BLOCK_N=bn,
+        BLOCK_K=bk, IEEE=ieee_dots(a.dtype, a.device), RNE_W=rne_bf16(a.dtype, a.device),
+        RNE_C=rne_bf16(out.dtype, out.device), num_warps=4,
+    )
 
 
 def fp8_linear_triton(
@@ -124,8 +159,8 @@ def fp8_linear_triton(
     with `scale_inv [ceil(N/b0), ceil(K/b1)]` fp32 -> `[..., N]` in x's dtype.
 
     Grid `(cdiv(M, block_m), cdiv(N, block_n))`, fixed by shapes (graph-safe, no host sync);
-    `block_m` defaults to the power of two covering `M` within `[16, 64]`. `K` is a constexpr
-    (one compile per weight shape; see `ops.moe_triton` on Triton 3.6's interpreter).
+    `block_m` defaults to the power of two covering `M` within `[16, 64]`; one compile per
+    weight shape (see `dequant_gemm`).
     """
     K = x.shape[-1]
     N = w.shape[0]
@@ -141,13 +176,6 @@ def fp8_linear_triton(
     if M == 0 or N == 0:
         return y.view(*lead, N)
     wb = w.view(torch.uint8) if w.dtype != torch.uint8 else w
-    bm = block_m or pow2_tile(M, hi=64)
-    grid = (triton.cdiv(M, bm), triton.cdiv(N, block_n))
-    kernel_for(_fp8_linear_kernel, x.device)[grid](
-        x2, wb, scale_inv, y, M, N,
-        x2.stride(0), x2.stride(1), wb.stride(0), wb.stride(1),
-        scale_inv.stride(0), scale_inv.stride(1), y.stride(0), y.stride(1),
-        K=K, SCALE_N=block[0], SCALE_K=block[1], BLOCK_M=bm, BLOCK_N=block_n, BLOCK_K=block_k,
-        IEEE=ieee_dots(x2), RNE=rne_bf16(x.dtype, x.device), num_warps=4,
-    )
+    dequant_gemm(x2, wb.unsqueeze(0), y, weight="fp8", scale=scale_inv.unsqueeze(0),
+                 scale_block=block, tiles=(block_m or pow2_tile(M, hi=64), block_n, block_k))
     return y.view(*lead, N)

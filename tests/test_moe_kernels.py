@@ -1,7 +1,7 @@
 """Static-shape expert alignment, the expert bank over it (torch twin and Triton kernels, float
 and INT4 W4A16 weights), and the `kimi::moe_experts*` custom ops.
 
-Triton kernels run on CPU tensors under Triton's interpreter (`ops.quant_triton.kernel_for`
+Triton kernels run on CPU tensors under Triton's interpreter (`ops.triton_util.kernel_for`
 picks it per call; no `TRITON_INTERPRET` setup needed) and compiled on CUDA when present.
 Tolerances: integer paths (alignment, INT4 unpacking) exact; the torch twin against
 `experts_dense` / `experts_sparse` at the fp32 defaults of `assert_close`; the Triton kernels
