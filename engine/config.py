@@ -253,6 +253,21 @@ class ModelConfig:
     def softmax_scale(self) -> float:
         return self.qk_head_dim ** -0.5 * self.yarn_mscale ** 2
 
+    @property
+    def fp8_block(self) -> tuple[int, int] | None:
+        """The weight block of an FP8 block checkpoint, whose every linear but the embedding,
+        the router and the LM head is stored FP8 (DeepSeek-V3's layout); None otherwise."""
+        q = self.quantization
+        return q.block_size if q is not None and q.method == "fp8" else None
+
+    def expert_format(self, layer: int) -> str | None:
+        """How MoE layer `layer` stores its routed experts: "int4" (pack-quantized), "fp8"
+        (block) or None (as plain floats)."""
+        if self.fp8_block:
+            return "fp8"
+        name = f"{self.weight_prefix}model.layers.{layer}.mlp.experts.0.gate_proj.weight"
+        return "int4" if self.is_quantized_expert(name) else None
+
     def is_quantized_expert(self, name: str) -> bool:
         """Whether `name` (a linear's `.weight`) is stored INT4 under this checkpoint's scheme."""
         q = self.quantization

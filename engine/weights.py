@@ -136,15 +136,28 @@ def load_checkpoint(
         with torch.no_grad():
             for name in order:
                 s = tensors[names[name]]
-                s.dest.copy_(_load_one(reader, name, s, group, block))
+                if s.dest is None:
+                    _check_value(reader, name, s)
+                else:
+                    s.dest.copy_(_load_one(reader, name, s, group, block))
                 bar.update(1)
     finally:
         bar.close()
 
 
+def _check_value(reader: _Reader, name: str, s: Stored) -> None:
+    """An INT4 linear's `weight_shape`: the logical shape the layer was built for."""
+    got = tuple(int(x) for x in reader.tensor(name).tolist())
+    if got != s.value:
+        raise WeightsError(f"{reader.index[name]}: tensor {name!r} has shape {got}, the config "
+                           f"expects {s.value}")
+
+
 def _load_one(reader: _Reader, name: str, s: Stored, group: int, block: tuple[int, int]
               ) -> torch.Tensor:
-    """This rank's piece of checkpoint tensor `name`, as described by `s`."""
+    """This rank's piece of checkpoint tensor `name`, as described by `s`: as stored when the
+    layer keeps it so (INT4 words, FP8 weights, their scales), else as floats of the layer's
+    dtype (a quantized tensor is then dequantized whole, then cut)."""
     where = reader.index.get(name) or reader.index[name + "_packed"]
     want = s.shape
     dtype, device = s.dest.dtype, s.dest.device
@@ -184,6 +197,12 @@ def _load_one(reader: _Reader, name: str, s: Stored, group: int, block: tuple[in
     if got != want:
         raise shape_error(got)
     st_dtype = sl.get_dtype()
+    kept = {torch.int32: "I32", torch.float8_e4m3fn: "F8_E4M3"}.get(dtype)
+    if kept is not None:
+        if st_dtype != kept:
+            raise WeightsError(f"{where}: tensor {name!r} has dtype {st_dtype}; the layer keeps "
+                               f"it as stored, {kept}")
+        return s.piece(sl).to(device)
     if st_dtype in _FP8_DTYPES:
         if not reader.has(name + "_scale_inv"):
             raise WeightsError(f"{where}: tensor {name!r} has dtype {st_dtype} but no "

@@ -71,17 +71,25 @@ def experts_sparse(x: Tensor, idx: Tensor, w: Tensor, w13: Tensor, w2: Tensor) -
     The (token, expert) pairs are sorted by expert once, so each expert runs on one contiguous
     slice; the weighted outputs go back to their tokens with one `index_add_`.
     """
+    return experts_sparse_by(x, idx, w, w13.shape[0], lambda e: (w13[e], w2[e]))
+
+
+def experts_sparse_by(x: Tensor, idx: Tensor, w: Tensor, num_experts: int,
+                      load: Callable[[int], tuple[Tensor, Tensor]]) -> Tensor:
+    """`experts_sparse` with each expert's `(w13 [2I, H], w2 [H, I])` from `load(e)`, called
+    only for experts that have tokens (a packed bank dequantizes just those)."""
     T, k = idx.shape
     flat = idx.reshape(-1)
     order = flat.argsort(stable=True)
-    counts = torch.bincount(flat, minlength=w13.shape[0]).tolist()
+    counts = torch.bincount(flat, minlength=num_experts).tolist()
     tok = order // k
     xs = x[tok]  # [T * k, H], grouped by expert
     parts, start = [], 0
     for e, n in enumerate(counts):
         if n:
-            g, u = F.linear(xs[start:start + n], w13[e]).chunk(2, dim=-1)
-            parts.append(F.linear(F.silu(g) * u, w2[e]))
+            w13, w2 = load(e)
+            g, u = F.linear(xs[start:start + n], w13).chunk(2, dim=-1)
+            parts.append(F.linear(F.silu(g) * u, w2))
             start += n
     ys = torch.cat(parts).float() * w.reshape(-1)[order, None].float()
     out = torch.zeros(T, x.shape[1], dtype=torch.float32, device=x.device)

@@ -3,6 +3,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -38,10 +39,30 @@ def _meta_model(cfg: ModelConfig) -> KimiForCausalLM:
 
 @pytest.fixture(scope="module")
 def shapes(k2: ModelConfig, k25: ModelConfig) -> dict[str, dict[str, tuple[int, ...]]]:
-    """Every tensor name the checkpoint must have (with its prefix) and its shape, from the
-    model built on the meta device. ~70k entries each: built once per module."""
-    return {k: {c.weight_prefix + n: s.shape for n, s in _meta_model(c).checkpoint_tensors()
-                .items()} for k, c in (("k2", k2), ("k25", k25))}
+    """Every tensor name (with its prefix) and logical shape of the architecture, from the
+    model built on the meta device with plain weights. ~70k entries each: built once."""
+    return {k: {c.weight_prefix + n: s.shape for n, s in
+                _meta_model(replace(c, quantization=None)).checkpoint_tensors().items()}
+            for k, c in (("k2", k2), ("k25", k25))}
+
+
+def test_quantized_checkpoints_are_listed_as_stored(k2: ModelConfig, k25: ModelConfig) -> None:
+    """The K2.5 model built from its config asks for the INT4 experts as compressed-tensors
+    stores them, K2's for FP8 weights with their block scales."""
+    t25 = _meta_model(k25).checkpoint_tensors()
+    e = "model.layers.1.mlp.experts.7."
+    assert t25[e + "gate_proj.weight_packed"].shape == (2048, 7168 // 8)
+    assert t25[e + "gate_proj.weight_scale"].shape == (2048, 7168 // 32)
+    assert t25[e + "down_proj.weight_packed"].shape == (7168, 2048 // 8)
+    assert t25[e + "down_proj.weight_shape"].value == (7168, 2048)
+    assert e + "gate_proj.weight" not in t25
+    assert t25["model.layers.1.self_attn.q_b_proj.weight"].dest.dtype != torch.float8_e4m3fn
+    t2 = _meta_model(k2).checkpoint_tensors()
+    assert t2[e + "up_proj.weight"].dest.dtype == torch.float8_e4m3fn
+    assert t2[e + "up_proj.weight_scale_inv"].shape == (16, 56)
+    assert t2["model.layers.0.self_attn.kv_b_proj.weight_scale_inv"].shape == (128, 4)
+    for name in ("model.embed_tokens.weight", "lm_head.weight", "model.layers.1.mlp.gate.weight"):
+        assert t2[name].dest.dtype != torch.float8_e4m3fn and name + "_scale_inv" not in t2
 
 
 # ---- the presets parse to the published values ---------------------------------------------

@@ -123,7 +123,11 @@ def test_int4_experts_model_matches_dequantized_model(tmp_path):
     b = KimiForCausalLM.from_dir(tmp_path / "p", progress=False)
     ids = torch.randint(0, cfg.vocab_size, (1, 19), generator=torch.Generator().manual_seed(1))
     assert torch.equal(a(ids)[0], b(ids)[0])
-    assert a.checkpoint_tensors().keys() == plain.keys()
+    # the quantized model holds exactly what the checkpoint stores, as stored
+    assert a.checkpoint_tensors().keys() == raw.keys()
+    bank = a.model.layers[1].mlp.experts
+    assert bank.fmt == "int4" and bank.w13_packed.dtype == torch.int32
+    assert bank.w13_scale.dtype == torch.bfloat16 and not hasattr(bank, "w13")
 
 
 def test_joint_attention_equals_prefix_tree_merge():

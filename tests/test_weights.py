@@ -101,43 +101,69 @@ def test_dtype_conversion_keeps_router_bias_fp32(ckpts, single_weights) -> None:
     assert torch.equal(w["lm_head.weight"], single_weights["lm_head.weight"].bfloat16())
 
 
-def test_int4_experts_load_as_dequantized_packs(ckpts, single_weights) -> None:
+def test_int4_experts_stay_packed(ckpts, single_weights) -> None:
+    """INT4 experts load as stored (int32 words, bf16 scales), nothing dequantized whole; the
+    bank's per-call dequantization gives dequant_int4's weights, near the unquantized ones."""
     d = ckpts["int4"]
     cfg = ModelConfig.from_dir(d)
     assert cfg.quantization is not None and cfg.quantization.method == "int4"
     raw = _raw(d)
-    w = _load(d)
-    assert w.keys() == single_weights.keys()
-    n_experts = 0
+    model = KimiForCausalLM.from_dir(d, progress=False)
+    w = {name: s.dest for name, s in model.checkpoint_tensors().items() if s.dest is not None}
+    assert w.keys() == {n for n in raw if not n.endswith("_shape")}
     for name, t in w.items():
-        if ".mlp.experts." in name:
-            n_experts += 1
-            assert name not in raw and raw[name + "_packed"].dtype == torch.int32
-            want = dequant_int4(raw[name + "_packed"], raw[name + "_scale"],
-                                raw[name + "_shape"], group_size=32)
-            assert torch.equal(t, want), name
-            # and close to the unquantized weights the same seed gave
-            step = raw[name + "_scale"].float().amax()
-            assert (t - single_weights[name]).abs().max() <= 0.51 * step, name
-        else:
-            assert torch.equal(t, single_weights[name]), name
-    assert n_experts == 3 * cfg.n_routed_experts
+        assert t.dtype == raw[name].dtype, name  # int32 words, bf16 scales, fp32 floats
+        assert torch.equal(t, raw[name]), name
+    n_banks = 0
+    for i, layer in enumerate(model.model.layers):
+        if not cfg.is_moe(i):
+            continue
+        bank = layer.mlp.experts
+        assert bank.fmt == "int4" and not any(p.dtype != torch.int32 for p in (
+            bank.w13_packed, bank.w2_packed))
+        w13, w2 = bank.weights(None, torch.float32)
+        inter = cfg.moe_intermediate_size
+        for e in range(cfg.n_routed_experts):
+            for proj, got in (("gate_proj", w13[e, :inter]), ("up_proj", w13[e, inter:]),
+                              ("down_proj", w2[e])):
+                name = f"model.layers.{i}.mlp.experts.{e}.{proj}.weight"
+                want = dequant_int4(raw[name + "_packed"], raw[name + "_scale"],
+                                    raw[name + "_shape"], group_size=32)
+                assert torch.equal(got, want), name
+                step = raw[name + "_scale"].float().amax()
+                assert (got - single_weights[name]).abs().max() <= 0.51 * step, name
+        n_banks += 1
+    assert n_banks == sum(cfg.is_moe(i) for i in range(cfg.num_hidden_layers))
 
 
-def test_fp8_linears_load_as_dequantized_blocks(ckpts, single_weights) -> None:
-    d = ckpts["fp8"]
-    raw = _raw(d)
-    w = _load(d)
-    assert w.keys() == single_weights.keys()
-    fp8_names = [n for n in w if n + "_scale_inv" in raw]
-    assert "model.layers.0.self_attn.kv_b_proj.weight" in fp8_names
-    assert "model.layers.1.mlp.experts.3.down_proj.weight" in fp8_names
-    for name, t in w.items():
-        if name in fp8_names:
-            assert raw[name].dtype == torch.float8_e4m3fn
-            assert torch.equal(t, dequant_fp8_block(raw[name], raw[name + "_scale_inv"])), name
-        else:  # embedding, norms, router, lm_head stay as written
-            assert torch.equal(t, single_weights[name]), name
+def test_fp8_linears_stay_fp8(ckpts, single_weights, tmp_path) -> None:
+    """FP8 block weights load as stored (float8_e4m3fn and their fp32 scales), expert banks
+    too where the expert intermediate size is a whole number of blocks; everything else (the
+    embedding, norms, router, lm_head) as written."""
+    for d in (ckpts["fp8"], make_tiny(tmp_path / "fp8-128", seed=SEED, dtype="fp32", fp8=True,
+                                      moe_intermediate_size=128)):
+        raw = _raw(d)
+        model = KimiForCausalLM.from_dir(d, progress=False)
+        bank = model.model.layers[1].mlp.experts
+        assert bank.fmt == ("fp8" if d.name == "fp8-128" else None)
+        w = {name: s.dest for name, s in model.checkpoint_tensors().items()
+             if bank.fmt or ".experts." not in name}
+        assert w.keys() == {n for n in raw if bank.fmt or ".experts." not in n}
+        assert "model.layers.0.self_attn.kv_b_proj.weight_scale_inv" in w
+        for name, t in w.items():
+            assert t.dtype == raw[name].dtype, name
+            assert torch.equal(t.float(), raw[name].float()), name
+        if bank.fmt:
+            w13, _ = bank.weights(None, torch.float32)
+            name = "model.layers.1.mlp.experts.3.up_proj.weight"
+            want = dequant_fp8_block(raw[name], raw[name + "_scale_inv"])
+            assert torch.equal(w13[3, 128:], want)
+    # the 64-wide experts cut blocks apart: that bank is plain, dequantized at load
+    plain = _load(ckpts["fp8"])
+    name = "model.layers.1.mlp.experts.3.down_proj.weight"
+    raw = _raw(ckpts["fp8"])
+    assert torch.equal(plain[name], dequant_fp8_block(raw[name], raw[name + "_scale_inv"]))
+    assert torch.equal(plain["lm_head.weight"], single_weights["lm_head.weight"])
 
 
 def test_kimi_k25_wrapper_skips_vision_and_extra_tensors(ckpts, single_weights, tmp_path) -> None:
@@ -175,13 +201,28 @@ def test_a_rank_loads_only_its_pieces(ckpts, single_weights) -> None:
     whole = [p + "self_attn.q_a_proj.weight", p + "self_attn.kv_a_proj_with_mqa.weight",
              p + "mlp.gate.weight", "model.norm.weight"]
     for d in (ckpts["single"], ckpts["int4"]):
-        w, full = _load(d, tp=Group(1, 2)), _load(d)
+        # NOTE: the tiny INT4 banks' halves would cut a scale group apart: they load dequantized
+        w, full = _load(d, tp=Group(1, 2)), _logical(KimiForCausalLM.from_dir(d, progress=False))
         assert w.keys() == single_weights.keys()  # checkpoint names, no prefix
         for name, dim in second:
             n = full[name].shape[dim] // 2
             assert torch.equal(w[name], full[name].narrow(dim, n, n)), name
         for name in whole:
             assert torch.equal(w[name], full[name]), name
+
+
+def _logical(model: KimiForCausalLM) -> dict[str, torch.Tensor]:
+    """Every linear's float weight by checkpoint name, quantized experts dequantized."""
+    out = {n: s.dest for n, s in model.checkpoint_tensors().items() if s.dest is not None}
+    for i, layer in enumerate(model.model.layers):
+        bank = getattr(layer.mlp, "experts", None)
+        if bank is not None and bank.fmt:
+            w13, w2 = bank.weights(None, torch.float32)
+            for e in range(bank.num_experts):
+                p = f"model.layers.{i}.mlp.experts.{e}."
+                out[p + "gate_proj.weight"], out[p + "up_proj.weight"] = w13[e].chunk(2)
+                out[p + "down_proj.weight"] = w2[e]
+    return out
 
 
 def test_progress_bar_on_stderr(ckpts, capsys) -> None:

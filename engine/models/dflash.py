@@ -18,14 +18,7 @@ from torch import Tensor, nn
 
 from engine.config import DraftConfig
 from engine.dist import Group
-from engine.models.layers import (
-    MLP,
-    ColumnParallelLinear,
-    Linear,
-    RMSNorm,
-    RowParallelLinear,
-    checkpoint_tensors,
-)
+from engine.models.layers import MLP, RMSNorm, cast_parameters, checkpoint_tensors, linear
 from engine.weights import load_checkpoint
 from ops.rope import apply_rope_half, rope_cos_sin, rope_frequencies
 
@@ -37,10 +30,10 @@ class DraftAttention(nn.Module):
         w = 1 if tp is None else tp.world
         self.num_heads, self.num_kv_heads = c.num_attention_heads // w, c.num_key_value_heads // w
         H, hd = c.hidden_size, c.head_dim
-        self.q_proj = ColumnParallelLinear(H, c.num_attention_heads * hd, tp)
-        self.k_proj = ColumnParallelLinear(H, c.num_key_value_heads * hd, tp)
-        self.v_proj = ColumnParallelLinear(H, c.num_key_value_heads * hd, tp)
-        self.o_proj = RowParallelLinear(c.num_attention_heads * hd, H, tp)
+        self.q_proj = linear(H, c.num_attention_heads * hd, tp, 0)
+        self.k_proj = linear(H, c.num_key_value_heads * hd, tp, 0)
+        self.v_proj = linear(H, c.num_key_value_heads * hd, tp, 0)
+        self.o_proj = linear(c.num_attention_heads * hd, H, tp, 1)
         self.q_norm = RMSNorm(hd, c.rms_norm_eps)
         self.k_norm = RMSNorm(hd, c.rms_norm_eps)
 
@@ -99,7 +92,7 @@ class DFlashDrafter(nn.Module):
         super().__init__()
         self.c = c
         tp = tp if splits(c, tp) else None
-        self.fc = Linear(len(c.target_layer_ids) * target_hidden, c.hidden_size)
+        self.fc = linear(len(c.target_layer_ids) * target_hidden, c.hidden_size)
         self.hidden_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.layers = nn.ModuleList(DraftLayer(c, tp) for _ in range(c.num_hidden_layers))
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
@@ -128,7 +121,7 @@ class DFlashDrafter(nn.Module):
         with torch.device("meta"):
             model = cls(c, target_hidden, tp)
         model.to_empty(device=device)
-        model.to(dtype)
+        cast_parameters(model, dtype)
         load_checkpoint(path, checkpoint_tensors(model), progress=False)
         model._init_rope()
         return model.eval().requires_grad_(False)

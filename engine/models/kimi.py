@@ -32,22 +32,22 @@ from torch import Tensor, nn
 from engine.config import ModelConfig
 from engine.dist import Group
 from engine.models.layers import (
+    FP8,
     MLP,
-    ColumnParallelLinear,
     ExpertBank,
-    Linear,
     ParallelLMHead,
     RMSNorm,
-    RowParallelLinear,
     Stored,
     VocabParallelEmbedding,
+    cast_parameters,
     checkpoint_tensors,
+    linear,
 )
 from engine.weights import load_checkpoint
 from ops.attention import PrefixKernel, absorbed_attention, joint_mask, mla_naive
 from ops.moe import dense_is_cheaper, route_noaux_tc
+from ops.quant import dequant_fp8_block
 from ops.rope import apply_rope_interleaved, rope_cos_sin, rope_frequencies
-
 
 # (attention module, normed hidden states, layer index) -> (attention output, extra)
 Attend = Callable[[Any, Tensor, int], tuple[Tensor, Any]]
@@ -70,25 +70,28 @@ class Router(nn.Module):
 
 
 class MoE(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: Group | None = None):
+    def __init__(self, cfg: ModelConfig, layer: int, tp: Group | None = None):
         super().__init__()
         self.cfg, self.tp = cfg, tp
         where = cfg.source or "model config"
         if tp is not None:
             tp.divide(cfg.moe_intermediate_size, "moe_intermediate_size", where)
+        q = cfg.quantization
         self.gate = Router(cfg)
         self.experts = ExpertBank(cfg.n_routed_experts, cfg.hidden_size,
-                                  cfg.moe_intermediate_size, tp)
+                                  cfg.moe_intermediate_size, tp, cfg.expert_format(layer),
+                                  q.group_size if q else 32, q.block_size if q else (128, 128))
         # NOTE: no reduce inside: routed and shared experts are summed, then reduced once.
         self.shared_experts = (
             MLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts, tp,
-                reduce=False) if cfg.n_shared_experts else None)
+                reduce=False, fp8=cfg.fp8_block) if cfg.n_shared_experts else None)
 
-    def forward(self, x: Tensor, sparse: bool = False) -> Tensor:
+    def forward(self, x: Tensor, mode: str = "dense") -> Tensor:
+        """`mode`: how the expert bank dispatches (`ExpertBank.forward`)."""
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
         idx, w = self.gate(x2)
-        y = self.experts(x2, idx, w, sparse)
+        y = self.experts(x2, idx, w, mode)
         if self.shared_experts is not None:
             y = y + self.shared_experts(x2)
         if self.tp is not None:
@@ -103,17 +106,18 @@ class MLA(nn.Module):
         H, nh = cfg.hidden_size, cfg.num_attention_heads
         self.num_heads = nh if tp is None else tp.divide(nh, "num_attention_heads",
                                                          cfg.source or "model config")
+        f8 = cfg.fp8_block
         if cfg.q_lora_rank:
-            self.q_a_proj = Linear(H, cfg.q_lora_rank)
+            self.q_a_proj = linear(H, cfg.q_lora_rank, fp8=f8)
             self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, 1e-6)
-            self.q_b_proj = ColumnParallelLinear(cfg.q_lora_rank, nh * cfg.qk_head_dim, tp)
+            self.q_b_proj = linear(cfg.q_lora_rank, nh * cfg.qk_head_dim, tp, 0, fp8=f8)
         else:
-            self.q_proj = ColumnParallelLinear(H, nh * cfg.qk_head_dim, tp)
-        self.kv_a_proj_with_mqa = Linear(H, cfg.kv_cache_dim)
+            self.q_proj = linear(H, nh * cfg.qk_head_dim, tp, 0, fp8=f8)
+        self.kv_a_proj_with_mqa = linear(H, cfg.kv_cache_dim, fp8=f8)
         self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, 1e-6)
-        self.kv_b_proj = ColumnParallelLinear(
-            cfg.kv_lora_rank, nh * (cfg.qk_nope_head_dim + cfg.v_head_dim), tp)
-        self.o_proj = RowParallelLinear(nh * cfg.v_head_dim, H, tp)
+        self.kv_b_proj = linear(cfg.kv_lora_rank, nh * (cfg.qk_nope_head_dim + cfg.v_head_dim),
+                                tp, 0, fp8=f8)
+        self.o_proj = linear(nh * cfg.v_head_dim, H, tp, 1, fp8=f8)
         self.scale = cfg.softmax_scale
 
     def latents(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
@@ -145,9 +149,12 @@ class MLA(nn.Module):
 
     def _absorb_weights(self) -> tuple[Tensor, Tensor]:
         c = self.cfg
-        w = self.kv_b_proj.weight.view(self.num_heads, c.qk_nope_head_dim + c.v_head_dim,
-                                       c.kv_lora_rank)
-        return w[:, :c.qk_nope_head_dim], w[:, c.qk_nope_head_dim:]  # W_UK [nh,Dn,R], W_UV [nh,Dv,R]
+        w = self.kv_b_proj.weight
+        if w.dtype == FP8:  # a small matrix, dequantized per call like every FP8 weight
+            w = dequant_fp8_block(w, self.kv_b_proj.weight_scale_inv, self.kv_b_proj.block,
+                                  self.kv_a_layernorm.weight.dtype)
+        w = w.view(self.num_heads, c.qk_nope_head_dim + c.v_head_dim, c.kv_lora_rank)
+        return w[:, :c.qk_nope_head_dim], w[:, c.qk_nope_head_dim:]  # W_UK, W_UV: [nh, D, R]
 
     def forward_absorbed(
         self, x: Tensor, cos: Tensor, sin: Tensor, kv_cache: Tensor, slots: Tensor,
@@ -175,20 +182,20 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = MLA(cfg, tp)
         if cfg.is_moe(i):
-            self.mlp: nn.Module = MoE(cfg, tp)
+            self.mlp: nn.Module = MoE(cfg, i, tp)
         else:
             if tp is not None:
                 tp.divide(cfg.intermediate_size, "intermediate_size", cfg.source or "config")
-            self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, tp)
+            self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, tp, fp8=cfg.fp8_block)
 
-    def forward(self, h: Tensor, attend: Attend, sparse: bool) -> tuple[Tensor, Any]:
+    def forward(self, h: Tensor, attend: Attend, moe: str) -> tuple[Tensor, Any]:
         """`h [..., H]` -> the layer's output. `attend(attn, normed h, layer index)` is the
         attention form (naive or absorbed) and returns `(output, extra)`; `extra` is passed
         back."""
         a, extra = attend(self.self_attn, self.input_layernorm(h), self.index)
         h = h + a
         x = self.post_attention_layernorm(h)
-        return h + (self.mlp(x, sparse) if isinstance(self.mlp, MoE) else self.mlp(x)), extra
+        return h + (self.mlp(x, moe) if isinstance(self.mlp, MoE) else self.mlp(x)), extra
 
 
 class Backbone(nn.Module):
@@ -239,12 +246,9 @@ class KimiForCausalLM(nn.Module):
         with torch.device("meta"):
             model = cls(cfg, tp)
         model.to_empty(device=device)
-        model.to(dtype)
-        for m in model.modules():
-            if isinstance(m, Router):
-                # NOTE: selection-only bias: kept fp32 (the load copies into its dtype).
-                m.e_score_correction_bias = torch.empty(
-                    cfg.n_routed_experts, dtype=torch.float32, device=device)
+        # NOTE: buffers keep their dtypes: the selection-only router bias stays fp32, and
+        # quantized weights and their scales stay as stored.
+        cast_parameters(model, dtype)
         load_checkpoint(path, model.checkpoint_tensors(), prefix=cfg.weight_prefix,
                         quant=cfg.quantization, progress=progress)
         model._init_rope()
@@ -255,13 +259,17 @@ class KimiForCausalLM(nn.Module):
         return self.eval().requires_grad_(False)
 
     def param_counts(self) -> tuple[int, int]:
-        """`(total, activated)` parameters of the whole model (every rank's pieces): activated
-        counts `num_experts_per_tok` routed experts per MoE layer, the rest whole."""
+        """`(total, activated)` parameters of the whole model (every rank's pieces), counted at
+        their logical shapes whatever their storage: activated counts `num_experts_per_tok`
+        routed experts per MoE layer, the rest whole."""
         c = self.cfg
         total = routed = 0
         for name, s in self.checkpoint_tensors().items():
-            total += math.prod(s.shape)
-            routed += math.prod(s.shape) if ".mlp.experts." in name else 0
+            if name.endswith(("_packed", "_scale", "_scale_inv")):
+                continue  # INT4 words and scales, FP8 scales: counted by their logical weight
+            n = math.prod(s.value if s.value is not None else s.shape)
+            total += n
+            routed += n if ".mlp.experts." in name else 0
         return total, total - routed + routed * c.num_experts_per_tok // max(c.n_routed_experts, 1)
 
     # ---- forwards --------------------------------------------------------------------------------
@@ -278,7 +286,8 @@ class KimiForCausalLM(nn.Module):
         Returns logits `[B, T, V]` (or only at `logits_rows [B, R]` when given) and the
         concatenated outputs of decoder layers `aux_layers` `[B, T, n * H]` (None if empty).
         When `cache_rows_out` is a list, each layer's latent cache rows `[B, T, R + P]` are
-        appended to it (the prefill stores them in the paged cache).
+        appended to it (the prefill stores them in the paged cache). `sparse_moe` sends each
+        token through its chosen experts only (eager), else every expert runs on every token.
         """
         B, T = input_ids.shape
         pos = torch.arange(T, device=input_ids.device).expand(B, T)
@@ -290,7 +299,7 @@ class KimiForCausalLM(nn.Module):
         h = self.model.embed_tokens(input_ids)
         aux = []
         for i, layer in enumerate(self.model.layers):
-            h, rows = layer(h, attend, sparse_moe)
+            h, rows = layer(h, attend, "sparse" if sparse_moe else "dense")
             if cache_rows_out is not None:
                 cache_rows_out.append(rows)
             if i in aux_layers:
@@ -312,14 +321,16 @@ class KimiForCausalLM(nn.Module):
         which query tokens each query sees (itself included); `tree_kv_out [layers, bs, Q, R + P]`
         receives the queries' own cache rows (the commit copies the accepted ones into the
         cache). Returns logits `[bs, Q, V]` (fp32) and the aux-layer features `[bs, Q, n * H]`.
-        `sparse_moe` allows the eager-only expert dispatch (see `ops.moe`), taken unless the
-        dense one is cheaper for this many rows; `prefix` a planned prefix-attention kernel (one
-        plan serves every layer).
+        `sparse_moe` allows the eager-only expert dispatch (data-dependent shapes); else the
+        fixed-shape one over aligned blocks runs; either way every expert on every row when
+        that dense pass is cheaper for this many rows (`ops.moe.dense_is_cheaper`). `prefix` a
+        planned prefix-attention kernel (one plan serves every layer).
         """
         c = self.cfg
-        if sparse_moe and c.n_routed_experts:
-            sparse_moe = not dense_is_cheaper(tokens.numel(), c.n_routed_experts, c.hidden_size,
-                                              c.moe_intermediate_size)
+        moe = "sparse" if sparse_moe else "aligned"
+        if c.n_routed_experts and dense_is_cheaper(tokens.numel(), c.n_routed_experts,
+                                                   c.hidden_size, c.moe_intermediate_size):
+            moe = "dense"
         cos, sin = self._rope(positions)
         mask = joint_mask(slots, ctx_len, visible) if prefix is None else None
 
@@ -330,7 +341,7 @@ class KimiForCausalLM(nn.Module):
         h = self.model.embed_tokens(tokens)
         aux = []
         for i, layer in enumerate(self.model.layers):
-            h, _ = layer(h, attend, sparse_moe)
+            h, _ = layer(h, attend, moe)
             if i in aux_layers:
                 aux.append(h)
         logits = self.lm_head(self.model.norm(h)).float()

@@ -11,6 +11,12 @@ Split rules (Megatron's): column-parallel linears split output features (weight 
 their output split; row-parallel linears split input features (weight columns), so each rank's
 output is a partial sum, all-reduced by the layer (or by its caller, once for several). The
 embedding and the LM head split the vocabulary.
+
+Quantized checkpoints stay as stored: FP8 block linears keep their float8_e4m3fn weight and
+fp32 `weight_scale_inv` (`Fp8Linear`), routed experts keep INT4 words and bf16 group scales or
+FP8 blocks (`ExpertBank`), and each call dequantizes what it needs (`ops.custom_ops` on the
+static-shape path, Triton kernels on CUDA). Where a rank's piece would cut a scale block (or an
+INT4 group) apart, that layer holds plain weights instead, dequantized at load.
 """
 
 from __future__ import annotations
@@ -23,21 +29,27 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+import ops.custom_ops  # noqa: F401 - registers the kimi:: ops the quantized layers call
 from engine.dist import Group, world_of
-from ops.moe import experts_dense, experts_sparse
+from ops.moe import experts_dense, experts_sparse, experts_sparse_by
+from ops.quant import dequant_fp8_block, dequant_int4
+
+FP8 = torch.float8_e4m3fn
 
 
 @dataclass(frozen=True)
 class Stored:
     """One checkpoint tensor as this rank holds it: `shape` is the whole stored shape, `dim` the
     dimension split across `world` ranks (None: every rank holds all of it), `dest` the tensor
-    this rank's piece is loaded into (a view of a parameter or buffer)."""
+    this rank's piece is loaded into (a view of a parameter or buffer). With `dest` None the
+    tensor is only checked: it must hold exactly `value` (an INT4 linear's `weight_shape`)."""
 
     shape: tuple[int, ...]
     dim: int | None
-    dest: Tensor
+    dest: Tensor | None
     rank: int = 0
     world: int = 1
+    value: tuple[int, ...] | None = None
 
     def piece(self, src: Any) -> Tensor:
         """This rank's piece of `src` (a safetensors slice or a tensor of `shape`), reading only
@@ -78,6 +90,8 @@ def param_bytes(model: nn.Module) -> tuple[int, int]:
     """`(all, replicated)` bytes of the checkpoint tensors this rank holds."""
     total = rep = 0
     for s in checkpoint_tensors(model).values():
+        if s.dest is None:
+            continue
         n = s.dest.numel() * s.dest.element_size()
         total += n
         rep += n if s.dim is None or s.world == 1 else 0
@@ -99,9 +113,54 @@ class RMSNorm(nn.Module):
         return self.weight * xf.to(x.dtype)
 
 
-def Linear(in_features: int, out_features: int) -> nn.Linear:  # noqa: N802 - a layer factory
-    """A replicated bias-free linear."""
+def cast_parameters(model: nn.Module, dtype: torch.dtype) -> None:
+    """Floating-point parameters to `dtype`; buffers keep the dtype they were built with (fp32
+    router biases and rotary frequencies, checkpoint scales as stored)."""
+    for m in model.modules():
+        for name, p in m._parameters.items():
+            if p is not None and p.is_floating_point():
+                m._parameters[name] = nn.Parameter(p.detach().to(dtype), p.requires_grad)
+
+
+def linear(in_features: int, out_features: int, tp: Group | None = None, split: int | None = None,
+           reduce: bool = True, fp8: tuple[int, int] | None = None) -> nn.Module:
+    """A bias-free linear: replicated (`split` None), column-parallel (0) or row-parallel (1,
+    all-reduced when `reduce`); with `fp8` (the checkpoint's weight block), kept FP8 as stored
+    when this rank's piece is made of whole blocks."""
+    w = world_of(tp) if split is not None else 1
+    if fp8 and (w == 1 or (out_features // w if split == 0 else in_features // w)
+                % fp8[split or 0] == 0):
+        return Fp8Linear(in_features, out_features, tp, split, reduce, fp8)
+    if split == 0:
+        return ColumnParallelLinear(in_features, out_features, tp)
+    if split == 1:
+        return RowParallelLinear(in_features, out_features, tp, reduce)
     return nn.Linear(in_features, out_features, bias=False)
+
+
+class Fp8Linear(nn.Module):
+    """A linear whose weight stays float8_e4m3fn with an fp32 `weight_scale_inv` per `block`
+    (`W = w * scale_inv` blockwise), dequantized per call (`kimi::fp8_linear`), split like the
+    column (`split` 0) and row (1) parallel linears."""
+
+    def __init__(self, in_features: int, out_features: int, tp: Group | None, split: int | None,
+                 reduce: bool, block: tuple[int, int]):
+        super().__init__()
+        self.tp = tp if split is not None else None
+        self.split, self.reduce, self.block = split, reduce, block
+        w = world_of(self.tp)
+        o, i = (out_features // (w if split == 0 else 1), in_features // (w if split == 1 else 1))
+        self.register_buffer("weight", torch.empty(o, i, dtype=FP8))
+        self.register_buffer("weight_scale_inv", torch.empty(-(-o // block[0]),
+                                                             -(-i // block[1])))
+
+    def stored_tensors(self) -> dict[str, Stored]:
+        return {"weight": _stored(self.weight, self.split, self.tp),
+                "weight_scale_inv": _stored(self.weight_scale_inv, self.split, self.tp)}
+
+    def forward(self, x: Tensor) -> Tensor:
+        y = torch.ops.kimi.fp8_linear(x, self.weight, self.weight_scale_inv, *self.block)
+        return self.tp.all_reduce(y) if self.split == 1 and self.reduce and self.tp else y
 
 
 class ColumnParallelLinear(nn.Linear):
@@ -166,40 +225,110 @@ class ParallelLMHead(ColumnParallelLinear):
 class MLP(nn.Module):
     """SwiGLU `down(silu(gate(x)) * up(x))`, intermediate dimension split across ranks."""
 
-    def __init__(self, hidden: int, inter: int, tp: Group | None = None, reduce: bool = True):
+    def __init__(self, hidden: int, inter: int, tp: Group | None = None, reduce: bool = True,
+                 fp8: tuple[int, int] | None = None):
         super().__init__()
-        self.gate_proj = ColumnParallelLinear(hidden, inter, tp)
-        self.up_proj = ColumnParallelLinear(hidden, inter, tp)
-        self.down_proj = RowParallelLinear(inter, hidden, tp, reduce)
+        self.gate_proj = linear(hidden, inter, tp, 0, fp8=fp8)
+        self.up_proj = linear(hidden, inter, tp, 0, fp8=fp8)
+        self.down_proj = linear(inter, hidden, tp, 1, reduce, fp8)
 
     def forward(self, x: Tensor) -> Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class ExpertBank(nn.Module):
-    """`E` SwiGLU experts stacked for dispatch: `w13 [E, 2I, H]` (each expert's gate rows, then
-    its up rows) and `w2 [E, H, I]`, `I` this rank's share of the intermediate dimension. The
-    checkpoint names each expert's linears (`{e}.gate_proj.weight`, ...); they load into views
-    of the stacks. The output is this rank's partial sum (the caller all-reduces)."""
+    """`E` SwiGLU experts stacked for dispatch, `I` this rank's share of the intermediate
+    dimension; the checkpoint names each expert's linears (`{e}.gate_proj.weight`, ...) and they
+    load into views of the stacks. Kept as stored (`fmt`):
 
-    def __init__(self, experts: int, hidden: int, inter: int, tp: Group | None = None):
+    - plain: `w13 [E, 2I, H]` (each expert's gate rows, then its up rows), `w2 [E, H, I]`;
+    - "int4" (pack-quantized, `group` values a scale): `w13_packed [E, 2I, H/8]` int32 with
+      `w13_scale [E, 2I, H/group]`, and `w2_packed [E, H, I/8]` with `w2_scale [E, H, I/group]`;
+    - "fp8" (`block` weight blocks): `w13`, `w2` float8_e4m3fn with `w13_scale_inv [E, 2I/b0,
+      H/b1]` and `w2_scale_inv [E, H/b0, I/b1]` fp32.
+
+    The output is this rank's partial sum (the caller all-reduces)."""
+
+    def __init__(self, experts: int, hidden: int, inter: int, tp: Group | None = None,
+                 fmt: str | None = None, group: int = 32, block: tuple[int, int] = (128, 128)):
         super().__init__()
-        self.tp = tp
-        self.inter = inter // world_of(tp)
-        self.w13 = nn.Parameter(torch.empty(experts, 2 * self.inter, hidden))
-        self.w2 = nn.Parameter(torch.empty(experts, hidden, self.inter))
+        self.tp, self.group, self.block = tp, group, block
+        self.num_experts, self.hidden, self.inter = experts, hidden, inter // world_of(tp)
+        E, H, i = experts, hidden, self.inter
+        # NOTE: a rank's piece must hold whole INT4 groups / FP8 blocks (and FP8's gate and up
+        # rows must not share a block); otherwise this bank is plain, dequantized at load.
+        if (fmt == "int4" and world_of(tp) > 1 and i % group) or (fmt == "fp8" and i % block[0]):
+            fmt = None
+        self.fmt = fmt
+        shapes = {"w13": (E, 2 * i, H), "w2": (E, H, i)}
+        for name, (e, rows, cols) in shapes.items():
+            if fmt == "int4":
+                self.register_buffer(f"{name}_packed", torch.empty(
+                    e, rows, -(-cols // 8), dtype=torch.int32))
+                self.register_buffer(f"{name}_scale", torch.empty(
+                    e, rows, -(-cols // group), dtype=torch.bfloat16))
+            elif fmt == "fp8":
+                self.register_buffer(name, torch.empty(e, rows, cols, dtype=FP8))
+                self.register_buffer(f"{name}_scale_inv", torch.empty(
+                    e, -(-rows // block[0]), -(-cols // block[1])))
+            else:
+                setattr(self, name, nn.Parameter(torch.empty(e, rows, cols)))
 
     def stored_tensors(self) -> dict[str, Stored]:
-        out, i = {}, self.inter
-        for e in range(self.w13.shape[0]):
-            out[f"{e}.gate_proj.weight"] = _stored(self.w13[e, :i], 0, self.tp)
-            out[f"{e}.up_proj.weight"] = _stored(self.w13[e, i:], 0, self.tp)
-            out[f"{e}.down_proj.weight"] = _stored(self.w2[e], 1, self.tp)
+        out, tp, w, i, H = {}, self.tp, world_of(self.tp), self.inter, self.hidden
+        suffixes = {"int4": ("_packed", "_scale"), "fp8": ("", "_scale_inv")}.get(self.fmt, ("",))
+        for e in range(self.num_experts):
+            for suffix in suffixes:
+                w13, w2 = getattr(self, "w13" + suffix), getattr(self, "w2" + suffix)
+                # NOTE: FP8 scales hold a row per block of weight rows: the gate's end where the
+                # up's begin because I is a whole number of blocks.
+                j = i // self.block[0] if suffix == "_scale_inv" else i
+                out[f"{e}.gate_proj.weight{suffix}"] = _stored(w13[e, :j], 0, tp)
+                out[f"{e}.up_proj.weight{suffix}"] = _stored(w13[e, j:], 0, tp)
+                out[f"{e}.down_proj.weight{suffix}"] = _stored(w2[e], 1, tp)
+            if self.fmt == "int4":
+                for proj, shape in (("gate", (i * w, H)), ("up", (i * w, H)), ("down", (H, i * w))):
+                    out[f"{e}.{proj}_proj.weight_shape"] = Stored((2,), None, None, value=shape)
         return out
 
-    def forward(self, x: Tensor, idx: Tensor, w: Tensor, sparse: bool = False) -> Tensor:
-        """`x [T, H]`, routing `idx / w [T, k]` -> `[T, H]`. `sparse`: each token through its
-        chosen experts only (eager only: data-dependent shapes); else every expert on every
-        token (fixed shapes)."""
-        fn = experts_sparse if sparse else experts_dense
-        return fn(x, idx, w, self.w13, self.w2)
+    def weights(self, experts: Tensor | None, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """`(w13 [C, 2I, H], w2 [C, H, I])` of `experts [C]` (None: all) as `dtype` floats,
+        dequantized on the spot from a quantized bank (only those experts)."""
+        def pick(t: Tensor) -> Tensor:
+            return t if experts is None else t[experts]
+
+        if self.fmt is None:
+            return pick(self.w13), pick(self.w2)
+        out = []
+        for name, cols in (("w13", self.hidden), ("w2", self.inter)):
+            if self.fmt == "int4":
+                p, s = pick(getattr(self, f"{name}_packed")), pick(getattr(self, f"{name}_scale"))
+                out.append(dequant_int4(p.flatten(0, 1), s.flatten(0, 1),
+                                        (p.shape[0] * p.shape[1], cols), self.group, dtype)
+                           .view(*p.shape[:2], cols))
+            else:
+                q, s = pick(getattr(self, name)), pick(getattr(self, f"{name}_scale_inv"))
+                out.append(torch.stack([dequant_fp8_block(q[c], s[c], self.block, dtype)
+                                        for c in range(q.shape[0])]))
+        return out[0], out[1]
+
+    def forward(self, x: Tensor, idx: Tensor, w: Tensor, mode: str = "dense") -> Tensor:
+        """`x [T, H]`, routing `idx / w [T, k]` -> `[T, H]`. `mode`: "sparse" sends each token
+        through its chosen experts only (eager only: data-dependent shapes); "dense" runs every
+        expert on every token (fixed shapes, cheap for a small bank); "aligned" runs only the
+        chosen experts at fixed shapes (`ops.moe.moe_align_block_size`; Triton on CUDA)."""
+        if mode == "sparse" and self.fmt is None:
+            return experts_sparse(x, idx, w, self.w13, self.w2)
+        if mode == "sparse":
+            def load(e: int) -> tuple[Tensor, Tensor]:
+                w13, w2 = self.weights(torch.tensor([e], device=x.device), x.dtype)
+                return w13[0], w2[0]
+
+            return experts_sparse_by(x, idx, w, self.num_experts, load)
+        if mode == "aligned" and self.fmt == "int4":
+            return torch.ops.kimi.moe_experts_w4a16(x, idx, w, self.w13_packed, self.w13_scale,
+                                                   self.w2_packed, self.w2_scale, self.group)
+        w13, w2 = self.weights(None, x.dtype)
+        if mode == "aligned":
+            return torch.ops.kimi.moe_experts(x, idx, w, w13, w2)
+        return experts_dense(x, idx, w, w13, w2)
