@@ -47,14 +47,27 @@ Reasoning (`<think>...</think>`):
 Both together: `parse_output(text, ...) -> ParsedOutput(reasoning, content, tool_calls)` and
 `OutputParser(...).feed / .finish -> OutputDelta(reasoning, content, tool_calls)`: the reasoning
 parser first, the tool parser on its content.
+
+From token ids (what a server streams): `OutputStream(tokenizer, prompt_ids, stop, tools=,
+reasoning=, only=)`; `push(ids)` and `end(ids, text_end)` return `OutputDelta`s, `result()` the
+whole `ParsedOutput`, `finish_reason(reason)` says `tool_calls` for a stop after calls. The text
+is `tokenizer.decode(ids, skip_special_tokens=True)`, released as `engine.tokenizer.TextStream`
+releases it (the longest stop string less one character waits, and `end` cuts at `text_end`,
+an offset in that text), plus the names of the special ids among the parsers' markers (tool-call
+markers with `tools`, `<think>`/`</think>` with `reasoning`) where they were generated; a marker
+id right at a cut comes before it. Without markers to parse, the content is exactly the
+TextStream text. Reasoning is implicit when the prompt ids end in `<think>`. `only` keeps the
+calls of that function (others are dropped) and renumbers them from 0. `to_openai()` of a delta
+or a result gives the fields of an OpenAI chat `delta` or `message`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 SECTION_BEGIN = "<|tool_calls_section_begin|>"
 SECTION_END = "<|tool_calls_section_end|>"
@@ -138,12 +151,26 @@ class OutputDelta:
     content: str = ""
     tool_calls: tuple[ToolCallDelta, ...] = ()
 
+    def __bool__(self) -> bool:
+        return bool(self.reasoning or self.content or self.tool_calls)
+
+    def to_openai(self) -> dict[str, Any]:
+        """The fields of an OpenAI chat stream's `delta` (None where this piece has nothing)."""
+        return {"content": self.content or None, "reasoning_content": self.reasoning or None,
+                "tool_calls": [c.to_openai() for c in self.tool_calls] or None}
+
 
 @dataclass(frozen=True)
 class ParsedOutput:
     reasoning: str | None
     content: str
     tool_calls: list[ToolCall]
+
+    def to_openai(self) -> dict[str, Any]:
+        """The fields of an OpenAI chat `message`: content None only beside tool calls."""
+        return {"content": None if self.tool_calls and not self.content else self.content,
+                "reasoning_content": self.reasoning,
+                "tool_calls": [c.to_openai() for c in self.tool_calls] or None}
 
 
 def _held_suffix(buf: str, markers: Iterable[str]) -> int:
@@ -475,3 +502,103 @@ def parse_output(
         first.content + last.content,
         merge_tool_call_deltas(first.tool_calls + last.tool_calls),
     )
+
+
+# ---------------------------------------------------------------- token ids
+
+# Prompt ids decoded to see whether the prompt ends in `<think>` (ordinary text needs up to 7).
+PROMPT_TAIL_IDS = 16
+
+
+class Tokens(Protocol):
+    """What OutputStream needs of a tokenizer (`engine.tokenizer.Tokenizer`)."""
+
+    special_tokens: dict[str, int]
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str: ...
+
+    def stream_decoder(self, skip_special_tokens: bool = False) -> Any: ...
+
+
+class OutputStream:
+    """Reasoning, content and tool calls of generated token ids (see the module docstring)."""
+
+    def __init__(self, tokenizer: Tokens, prompt_ids: Sequence[int] = (),
+                 stop: Sequence[str] = (), *, tools: bool = False, reasoning: bool = False,
+                 only: str | None = None) -> None:
+        names = (_ALL_MARKERS if tools else ()) + ((THINK_BEGIN, THINK_END) if reasoning else ())
+        specials: Mapping[str, int] = tokenizer.special_tokens
+        self._markers = {specials[m]: m for m in names if m in specials}
+        opens = reasoning and prompt_opens_reasoning(
+            tokenizer.decode(list(prompt_ids[-PROMPT_TAIL_IDS:])))
+        self._parser = OutputParser(reasoning=reasoning, in_reasoning=opens, tools=tools)
+        self._tok, self._dec = tokenizer, tokenizer.stream_decoder(True)
+        self._hold = max(map(len, stop), default=1) - 1
+        self.ids: list[int] = []
+        self._text, self._sent = "", 0  # the text without special ids; how much of it left
+        self._at: list[tuple[int, str]] = []  # markers not yet released: (offset in text, name)
+        self._only = only
+        self._index: dict[int, int | None] = {}  # the parser's call index -> ours (None: dropped)
+        self._parts: tuple[list[str], list[str], list[ToolCallDelta]] = ([], [], [])
+
+    def push(self, ids: Sequence[int]) -> OutputDelta:
+        """What the new `ids` made certain."""
+        self._take(ids)
+        return self._release(len(self._text) - self._hold, final=False)
+
+    def end(self, ids: Sequence[int], text_end: int | None = None) -> OutputDelta:
+        """The rest, the output ending with `ids` (cut at `text_end`, where a stop string
+        matched)."""
+        self._take(ids)
+        self._text = self._tok.decode(self.ids, True)
+        return self._release(len(self._text) if text_end is None else text_end, final=True)
+
+    def result(self) -> ParsedOutput:
+        """Everything released so far."""
+        reasoning, content, calls = self._parts
+        return ParsedOutput("".join(reasoning) if self._parser.reasoning_started else None,
+                            "".join(content), merge_tool_call_deltas(calls))
+
+    def finish_reason(self, reason: str) -> str:
+        """`tool_calls` when the model stopped after calling tools, else `reason`."""
+        return "tool_calls" if reason == "stop" and self._parts[2] else reason
+
+    def _take(self, ids: Sequence[int]) -> None:
+        self.ids += ids
+        for t in ids:
+            if t in self._markers:
+                self._at.append((len(self._text), self._markers[t]))
+            else:
+                self._text += self._dec.push([t])
+
+    def _release(self, cut: int, final: bool) -> OutputDelta:
+        pieces, pos = [], self._sent
+        while self._at and self._at[0][0] <= cut:
+            at, name = self._at.pop(0)
+            pieces += [self._text[pos:at], name]
+            pos = at
+        if cut > pos:
+            pieces.append(self._text[pos:cut])
+            pos = cut
+        self._sent = pos
+        d = self._parser.feed("".join(pieces))
+        if final:
+            last = self._parser.finish()
+            d = OutputDelta(d.reasoning + last.reasoning, d.content + last.content,
+                            d.tool_calls + last.tool_calls)
+        calls = tuple(self._renumber(d.tool_calls))
+        reasoning, content, kept = self._parts
+        reasoning.append(d.reasoning)
+        content.append(d.content)
+        kept += calls
+        return OutputDelta(d.reasoning, d.content, calls)
+
+    def _renumber(self, calls: Iterable[ToolCallDelta]) -> Iterable[ToolCallDelta]:
+        for c in calls:
+            if c.index not in self._index:
+                keep = self._only is None or c.name == self._only
+                kept = sum(i is not None for i in self._index.values())
+                self._index[c.index] = kept if keep else None
+            index = self._index[c.index]
+            if index is not None:
+                yield dataclasses.replace(c, index=index)

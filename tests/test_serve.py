@@ -566,3 +566,33 @@ def test_engine_survives_a_failing_step(offline_llm: LLM, monkeypatch: pytest.Mo
     assert ok[-1][0] == "tokens" and ok[-1][2] == "length"
     assert sum(len(i[1]) for i in ok) == 4
     assert sched.alloc.num_free == free0 and not sched.has_work
+
+
+# ---- tools and template kwargs -----------------------------------------------------------------
+
+
+def test_tool_fields_reach_a_real_server(server: ServerProc, client: openai.OpenAI,
+                                         tokenizer: Tokenizer) -> None:
+    """`tools`, `tool_choice`, `chat_template_kwargs` and a tool-call conversation go through a
+    real server process to the checkpoint's template; an answer without tool-call markers is the
+    plain answer (tests/test_serve_tools.py scripts answers that have them)."""
+    msgs = [{"role": "user", "content": "Weather in Paris?"}]
+    tools = [{"type": "function", "function": {"name": "get_weather",
+                                               "parameters": {"type": "object"}}}]
+    kw: dict[str, Any] = {"model": "tiny", "max_tokens": 12, "temperature": 0}
+    plain = client.chat.completions.create(messages=msgs, **kw)
+    r = client.chat.completions.create(messages=msgs, tools=tools, tool_choice="auto",
+                                       extra_body={"chat_template_kwargs": {"thinking": False}},
+                                       **kw)
+    assert r.choices[0].message.content == plain.choices[0].message.content
+    assert r.choices[0].message.tool_calls is None
+    assert r.choices[0].finish_reason == plain.choices[0].finish_reason
+    assert r.usage.prompt_tokens == len(tokenizer.apply_chat_template(msgs, tools=tools,
+                                                                      thinking=False))
+    history = [*msgs, {"role": "assistant", "content": None, "tool_calls": [{
+        "id": "functions.get_weather:0", "type": "function",
+        "function": {"name": "get_weather", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "functions.get_weather:0", "content": "sunny"}]
+    r = client.chat.completions.create(messages=history, tools=tools, **kw)
+    assert r.usage.prompt_tokens == len(tokenizer.apply_chat_template(history, tools=tools))
+    server.wait_idle()

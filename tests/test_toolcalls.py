@@ -1,11 +1,13 @@
 from __future__ import annotations
 
+import functools
 import json
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from engine.tokenizer import TextStream, Tokenizer, kimi_special_tokens
 from engine.toolcalls import (
     ARGUMENT_BEGIN,
     CALL_BEGIN,
@@ -15,7 +17,10 @@ from engine.toolcalls import (
     SECTION_END,
     THINK_BEGIN,
     THINK_END,
+    OutputDelta,
     OutputParser,
+    OutputStream,
+    ParsedOutput,
     ReasoningParser,
     ToolCall,
     ToolCallDelta,
@@ -308,3 +313,135 @@ def test_prompt_opens_reasoning() -> None:
     assert prompt_opens_reasoning("<|im_assistant|>assistant<|im_middle|><think>")
     assert not prompt_opens_reasoning("<|im_assistant|>assistant<|im_middle|><think></think>")
     assert not prompt_opens_reasoning("<|im_assistant|>assistant<|im_middle|>")
+
+
+# ---------------------------------------------------------------- token ids
+
+# Kimi's names for the special block's first ids (offsets after the ordinary ranks), the tool-call
+# and thinking markers included, as K2-Thinking's tokenizer_config.json names them.
+_KIMI_NAMES = {0: "[BOS]", 1: "[EOS]", 2: "<|im_end|>", 3: "<|im_user|>", 4: "<|im_assistant|>",
+               10: "<|im_system|>", 11: SB, 12: SE, 13: CB, 14: AB, 15: CE, 17: "<|im_middle|>",
+               22: TB, 23: TE, 254: "[UNK]", 255: "[PAD]"}
+
+
+@functools.cache
+def _tokenizer() -> Tokenizer:
+    """Single bytes as the ordinary ranks, then Kimi's special block with the markers named."""
+    ranks = {bytes([b]): b for b in range(256)}
+    return Tokenizer(ranks, kimi_special_tokens(256, {256 + k: v for k, v in _KIMI_NAMES.items()}))
+
+
+@pytest.fixture
+def tok() -> Tokenizer:
+    return _tokenizer()
+
+
+def _run(out: OutputStream, ids: list[int], cuts: list[int], text_end: int | None = None
+         ) -> list[OutputDelta]:
+    points = sorted({min(c, len(ids)) for c in cuts})
+    chunks = [ids[a:b] for a, b in zip([0, *points], points)]
+    return [out.push(c) for c in chunks] + [out.end(ids[len(sum(chunks, [])):], text_end)]
+
+
+def test_output_stream_parses_marker_ids(tok: Tokenizer) -> None:
+    text = f"{TB}plan{TE}Sure." + _section(("functions.f:0", '{"a": 1}'), ("functions.g:1", "{}"))
+    ids = tok.encode(text, allow_special=True)
+    assert tok.special_tokens[SB] in ids and tok.special_tokens[TB] in ids
+    for cuts in ([], [1, 2, 3], list(range(len(ids))), [5, 17, 30]):
+        out = OutputStream(tok, tools=True, reasoning=True)
+        deltas = _run(out, ids, cuts)
+        assert out.result() == parse_output(text)
+        assert "".join(d.reasoning for d in deltas) == "plan"
+        assert merge_tool_call_deltas(c for d in deltas for c in d.tool_calls) == \
+            parse_output(text).tool_calls
+        assert out.finish_reason("stop") == "tool_calls"
+        assert out.finish_reason("length") == "length"
+    assert out.result().to_openai() == {
+        "content": "Sure.", "reasoning_content": "plan",
+        "tool_calls": [c.to_openai() for c in parse_output(text).tool_calls]}
+
+
+def test_output_stream_without_parsers_is_the_plain_text(tok: Tokenizer) -> None:
+    text = f"a{TB}b{SB}c{CB}d{TE}<|reserved_token_300|>e"
+    ids = tok.encode(text, allow_special=True)
+    out = OutputStream(tok, tok.encode(TB, allow_special=True))
+    assert "".join(d.content for d in _run(out, ids, [2, 4])) == "abcde"
+    assert out.result() == ParsedOutput(None, "abcde", [])
+    assert out.result().to_openai() == {"content": "abcde", "reasoning_content": None,
+                                        "tool_calls": None}
+    # only the parsers' own markers are kept: with tools alone, <think> leaves no text
+    out = OutputStream(tok, tools=True)
+    _run(out, ids, [])
+    assert out.result().content == f"ab{SB}c{CB}de"
+
+
+def test_output_stream_reasoning_opened_by_the_prompt(tok: Tokenizer) -> None:
+    ids = tok.encode(f"plan{TE}answer", allow_special=True)
+    prompt = tok.encode(f"<|im_assistant|>assistant<|im_middle|>{TB}", allow_special=True)
+    out = OutputStream(tok, prompt, reasoning=True)
+    _run(out, ids, [3])
+    assert (out.result().reasoning, out.result().content) == ("plan", "answer")
+    closed = tok.encode(f"<|im_middle|>{TB}{TE}", allow_special=True)
+    for p in (closed, tok.encode("<think>"), []):  # <think> as ordinary text counts too
+        out = OutputStream(tok, p, reasoning=True)
+        _run(out, ids, [])
+        assert out.result().reasoning == ("plan" if p and p != closed else None)
+    out = OutputStream(tok, prompt, reasoning=False)  # thinking off
+    _run(out, ids, [])
+    assert out.result() == ParsedOutput(None, "plananswer", [])
+
+
+def test_output_stream_keeps_only_the_named_function(tok: Tokenizer) -> None:
+    text = _section(("functions.f:0", "[0]"), ("functions.g:1", "[1]"), ("functions.f:2", "[2]"))
+    ids = tok.encode(text, allow_special=True)
+    out = OutputStream(tok, tools=True, only="f")
+    deltas = _run(out, ids, list(range(len(ids))))
+    assert [(c.index, c.id, c.arguments) for c in out.result().tool_calls] == [
+        (0, "functions.f:0", "[0]"), (1, "functions.f:2", "[2]")]
+    assert {c.index for d in deltas for c in d.tool_calls} == {0, 1}
+    out = OutputStream(tok, tools=True, only="h")
+    _run(out, ids, [])
+    assert out.result() == ParsedOutput(None, "", []) and out.finish_reason("stop") == "stop"
+
+
+def test_output_stream_cut_at_a_stop_string(tok: Tokenizer) -> None:
+    # The stop string "bc" spans </think> in the text without special ids ("abc"): nothing
+    # from "b" on leaves, the marker included; a marker right before the match does leave.
+    # (The scheduler ends a request at the id that completes a stop string: "c" comes last.)
+    ids = tok.encode(f"{TB}ab{TE}c", allow_special=True)
+    for cuts in ([], list(range(len(ids)))):
+        out = OutputStream(tok, stop=["bc"], reasoning=True)
+        deltas = _run(out, ids, cuts, text_end=1)
+        assert "".join(d.reasoning for d in deltas) == "a"
+        assert out.result() == ParsedOutput("a", "", [])
+    ids = tok.encode(f"{TB}a{CE}bc", allow_special=True)
+    for cuts in ([], list(range(len(ids)))):
+        out = OutputStream(tok, stop=["bc"], reasoning=True, tools=True)
+        _run(out, ids, cuts, text_end=1)
+        assert out.result() == ParsedOutput(f"a{CE}", "", [])
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(0, 511), max_size=40), st.lists(st.integers(0, 40), max_size=8),
+       st.lists(st.text("abc\n", min_size=1, max_size=3), max_size=2))
+def test_output_stream_without_markers_equals_text_stream(ids: list[int], cuts: list[int],
+                                                          stop: list[str]) -> None:
+    """Plain answers come out as `TextStream` gives them, piece for piece, stop cuts included
+    (ids are fed until the text without special ids holds a stop string, as the scheduler
+    does)."""
+    tok = _tokenizer()
+    text_end, n = None, len(ids)
+    for k in range(1, len(ids) + 1):
+        found = [i for i in (tok.decode(ids[:k], True).find(s) for s in stop) if i >= 0]
+        if found:
+            text_end, n = min(found), k
+            break
+    ids = ids[:n]
+    points = sorted({min(c, n) for c in cuts})
+    chunks = [ids[a:b] for a, b in zip([0, *points], points)]
+    rest = ids[len(sum(chunks, [])):]
+    plain, out = TextStream(tok, stop), OutputStream(tok, stop=stop)
+    want = [plain.push(c) for c in chunks] + [plain.end(rest, text_end)]
+    got = [out.push(c) for c in chunks] + [out.end(rest, text_end)]
+    assert [d.content for d in got] == want
+    assert out.result() == ParsedOutput(None, "".join(want), [])

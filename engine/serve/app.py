@@ -1,6 +1,7 @@
 """Routes, admission and streaming: `GET /v1/models`, `POST /v1/completions` and
 `/v1/chat/completions` (`stream`: server-sent events ending in `data: [DONE]`), `GET /health`,
-`GET /metrics`. `max_tokens` defaults to 16 for completions, the context's rest for chat."""
+`GET /metrics`. `max_tokens` defaults to 16 for completions, the context's rest for chat. Chat
+answers are read by `engine.toolcalls.OutputStream` (Kimi's tool calls and reasoning)."""
 
 from __future__ import annotations
 
@@ -23,7 +24,8 @@ from engine.llm import LLM
 from engine.scheduler import RequestRejected
 from engine.serve import protocol as api
 from engine.serve.worker import ClientGone, Engine, Handle
-from engine.tokenizer import TextStream, TokenizerError
+from engine.tokenizer import TokenizerError
+from engine.toolcalls import OutputDelta, OutputStream
 
 log = logging.getLogger("engine.serve")
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
@@ -45,19 +47,21 @@ class Server:
     def waiting(self) -> int:  # handed to the engine, not running yet
         return self.active - self.engine.snapshot["running"]
 
-    async def prepare(self, body: Body) -> tuple[list[int], SamplingParams]:
-        """The prompt's token ids and the request's sampling, checked against the context."""
+    async def prepare(self, body: Body) -> tuple[list[int], SamplingParams, OutputStream | None]:
+        """The prompt's token ids and the request's sampling, checked against the context, and
+        the reader of its answer (None without a tokenizer)."""
         if body.model is not None and body.model != self.name:
             raise api.error(404, f"The model '{body.model}' does not exist; this server serves "
                                  f"'{self.name}'", "model", "model_not_found")
         tok, chat = self.llm.tokenizer, isinstance(body, api.ChatRequest)
-        param, prompt = ("messages", body.messages) if chat else ("prompt", body.one_prompt())
+        param, prompt, kw = (("messages", *body.template_inputs()) if chat
+                             else ("prompt", body.one_prompt(), {}))
         if tok is None and (chat or isinstance(prompt, str) or body.stop):
             raise api.bad("stop" if body.stop else param, "this model has no tokenizer: send "
                                                           "token ids and no stop strings")
         try:
             ids = (list(prompt) if not chat and isinstance(prompt, list) else await
-                   run_in_threadpool(tok.apply_chat_template if chat else tok.encode, prompt))
+                   run_in_threadpool(tok.apply_chat_template if chat else tok.encode, prompt, **kw))
         except TokenizerError as e:
             raise api.bad(param, str(e)) from e
         n, limit = len(ids), self.llm.max_model_len
@@ -72,8 +76,10 @@ class Server:
             raise api.bad(what, f"{what} is {want}, but the context limit is {limit} tokens and "
                                 f"the {param} has {n}: at most {limit - n} new tokens fit",
                           "context_length_exceeded")
-        default = limit if chat else COMPLETIONS_DEFAULT_MAX_TOKENS
-        return ids, body.sampling_params(want or min(default, limit - n))
+        params = body.sampling_params(want or min(limit if chat else COMPLETIONS_DEFAULT_MAX_TOKENS,
+                                                   limit - n))
+        out = OutputStream(tok, ids, params.stop, **body.parsing() if chat else {}) if tok else None
+        return ids, params, out
 
     def start(self, ids: list[int], params: SamplingParams, param: str) -> Handle:
         """Hands the request to the engine (or says why it cannot run)."""
@@ -99,11 +105,10 @@ class Server:
             if not h.finished:
                 self.engine.post("abort", h)
 
-    async def text(self, h: Handle, http: Request, stop: tuple[str, ...]
-                   ) -> AsyncIterator[tuple[str, str | None, int]]:
-        """`(new text, finish reason or None, tokens so far)` as the request runs (see
-        `engine.tokenizer.TextStream`: the pieces add up to the whole answer's text)."""
-        out = TextStream(self.llm.tokenizer, stop) if self.llm.tokenizer else None
+    async def text(self, h: Handle, http: Request, out: OutputStream | None
+                   ) -> AsyncIterator[tuple[OutputDelta, str | None, int]]:
+        """`(new part of the answer, finish reason or None, tokens so far)` as the request runs
+        (`out.result()` is then the whole answer)."""
         n = 0
         try:
             while True:
@@ -115,9 +120,10 @@ class Server:
                 n += len(new)
                 if reason is not None:
                     h.finished = True
-                    yield out.end(new, text_end) if out else "", reason, n
+                    last = out.end(new, text_end) if out else OutputDelta()
+                    yield last, out.finish_reason(reason) if out else reason, n
                     return
-                if piece := out.push(new) if out else "":
+                if piece := out.push(new) if out else None:
                     yield piece, None, n
         finally:
             self.close(h)
@@ -185,7 +191,7 @@ def build_app(llm: LLM, served_model_name: str, max_queue: int = 256) -> FastAPI
 
     async def respond(http: Request, body_type: type[Body]) -> Response:
         body = api.parse(await http.body(), body_type)
-        ids, params = await srv.prepare(body)
+        ids, params, out = await srv.prepare(body)
         chat = body_type is api.ChatRequest
         h = srv.start(ids, params, "messages" if chat else "prompt")
         kind = "chat.completion" + (".chunk" if body.stream else "") if chat else "text_completion"
@@ -199,27 +205,27 @@ def build_app(llm: LLM, served_model_name: str, max_queue: int = 256) -> FastAPI
             return api.Response(**head, choices=choices, usage=usage).model_dump(
                 exclude=None if usage or body.include_usage or not body.stream else {"usage"})
 
-        def choice(text: str | None, reason: str | None, role: str | None = None) -> Any:
+        def choice(fields: dict[str, Any], reason: str | None, role: str | None = None) -> Any:
             if not chat:
-                return api.CompletionChoice(text=text or "", finish_reason=reason)
-            msg = api.Message(role=role, content=text)
+                return api.CompletionChoice(text=fields.get("content") or "", finish_reason=reason)
+            msg = api.Message(role=role, **fields)
             return (api.ChunkChoice(delta=msg, finish_reason=reason) if body.stream
                     else api.ChatChoice(message=msg, finish_reason=reason))
 
         if not body.stream:
-            parts = [p async for p in srv.text(h, http, params.stop)]
-            out, reason, n = "".join(p[0] for p in parts), parts[-1][1], parts[-1][2]
-            return JSONResponse(obj([choice(out, reason, "assistant")], usage(n)))
+            *_, (_, reason, n) = [p async for p in srv.text(h, http, out)]
+            fields = out.result().to_openai() if out else {}
+            return JSONResponse(obj([choice(fields, reason, "assistant")], usage(n)))
 
         async def events() -> AsyncIterator[str]:
             try:
                 if chat:
-                    yield _sse(obj([choice("", None, "assistant")]))
-                async for piece, reason, n in srv.text(h, http, params.stop):
+                    yield _sse(obj([choice({"content": ""}, None, "assistant")]))
+                async for piece, reason, n in srv.text(h, http, out):
                     if piece:
-                        yield _sse(obj([choice(piece, None)]))
+                        yield _sse(obj([choice(piece.to_openai(), None)]))
                     if reason is not None:
-                        yield _sse(obj([choice(None, reason)]))
+                        yield _sse(obj([choice({}, reason)]))
                         if body.include_usage:
                             yield _sse(obj([], usage(n)))
                 yield "data: [DONE]\n\n"

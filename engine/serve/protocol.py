@@ -1,12 +1,14 @@
 """The OpenAI API's bodies as pydantic models: requests with every range and rule declared on
 the fields (sampling fields reuse `engine.config`'s types), responses, and the error body.
-Request defaults follow OpenAI's (`temperature` 1.0); extensions: `top_k` (-1 off) and
-`ignore_eos`; parameters the engine does not implement are accepted at their neutral values."""
+Request defaults follow OpenAI's (`temperature` 1.0); extensions: `top_k` (-1 off), `ignore_eos`
+and vLLM's `chat_template_kwargs` and `reasoning_content`; parameters the engine does not
+implement are accepted at their neutral values."""
 
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal, TypeVar
 
+import pydantic
 from fastapi import HTTPException
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
@@ -58,14 +60,20 @@ def parse(raw: bytes, model: type[BodyT]) -> BodyT:
     raise bad(loc[0], f"invalid value for '{'.'.join(loc)}': {msg.removeprefix('Value error, ')}")
 
 
-class StreamOptions(BaseModel):
+class _Strict(BaseModel):
+    # NOTE: strict, so "5" is not silently a max_tokens of 5 and true is not a temperature.
     model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class _Open(BaseModel):  # keys beyond the declared ones reach the chat template as given
+    model_config = ConfigDict(extra="allow", strict=True)
+
+
+class StreamOptions(_Strict):
     include_usage: bool = False
 
 
-class _Request(BaseModel):
-    # NOTE: strict, so "5" is not silently a max_tokens of 5 and true is not a temperature.
-    model_config = ConfigDict(extra="forbid", strict=True)
+class _Request(_Strict):
     model: str | None = None
     max_tokens: Positive | None = None
     temperature: Temperature = 1.0
@@ -111,9 +119,82 @@ class CompletionRequest(_Request):
         return p[0] if isinstance(p, list) and isinstance(p[0], str | list) else p
 
 
+class FunctionName(_Strict):
+    # NOTE: no whitespace, so the call id `functions.{name}:{i}` the model writes parses back.
+    name: Annotated[str, Field(pattern=r"^\S{1,64}$")]
+
+
+class Function(FunctionName):
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: Function
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: FunctionName
+
+
+class CalledFunction(FunctionName):
+    arguments: str | dict[str, Any]
+
+
+class ToolCall(_Open):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
+class ChatMessage(_Open):
+    role: Literal["system", "user", "assistant", "tool"]
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # assistant
+    tool_call_id: str | None = None  # tool
+    reasoning_content: str | None = None  # assistant
+
+
+# Template variables: names other than the renderer's own parameters.
+TemplateKey = Annotated[str, Field(pattern=r"^(?!(?:self|messages|tools|documents|"
+                                           r"add_generation_prompt)$)[A-Za-z_]\w*$")]
+
+
 class ChatRequest(_Request):
-    messages: Annotated[list[dict[str, Any]], Field(min_length=1)]
+    """`tools` reach the chat template; `tool_choice` "none" leaves the answer unparsed, a named
+    function is prompted like "auto" and only its calls are returned (no guided decoding)."""
+
+    model_config = ConfigDict(regex_engine="python-re")  # TemplateKey looks ahead
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: Positive | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto"] | NamedToolChoice | None = None
+    chat_template_kwargs: dict[TemplateKey, Any] | None = None
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _named_tool_exists(cls, v: Any, info: ValidationInfo) -> Any:
+        name = v.function.name if isinstance(v, NamedToolChoice) else None
+        if name is not None and name not in {t.function.name for t in info.data.get("tools") or []}:
+            raise ValueError(f"tool_choice names {name!r}, which is not among tools")
+        return v
+
+    def template_inputs(self) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+        """The messages and keyword arguments of `Tokenizer.apply_chat_template`."""
+        tools = [t.model_dump(exclude_unset=True) for t in self.tools or []] or None
+        return ([m.model_dump(exclude_unset=True) for m in self.messages],
+                {"tools": tools, **(self.chat_template_kwargs or {})})
+
+    def parsing(self) -> dict[str, Any]:
+        """How to read the answer: options of `engine.toolcalls.OutputStream`."""
+        choice = self.tool_choice
+        return {"tools": bool(self.tools) and choice != "none",
+                "only": choice.function.name if isinstance(choice, NamedToolChoice) else None,
+                "reasoning": (self.chat_template_kwargs or {}).get("thinking") is not False}
 
 
 class Usage(BaseModel):
@@ -125,6 +206,13 @@ class Usage(BaseModel):
 class Message(BaseModel):
     role: Literal["assistant"] | None = "assistant"
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+
+    @pydantic.model_serializer(mode="wrap")
+    def _only_set(self, dump: pydantic.SerializerFunctionWrapHandler) -> dict[str, Any]:
+        """role and content always; reasoning and tool calls only when the model made some."""
+        return {k: v for k, v in dump(self).items() if v is not None or k in ("role", "content")}
 
 
 class Choice(BaseModel):
