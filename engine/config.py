@@ -417,9 +417,11 @@ class EngineConfig:
     capture_sizes: Annotated[tuple[Annotated[int, Field(ge=1)], ...], _AS_TUPLE] | None = Field(
         None, description="batch sizes with a step graph, comma-separated (default: 1, 2, "
                           "4, 8, 16, 24, 32, 48, ... up to --max-batch-size)")
-    attention: Literal["auto", "torch"] = Field(
-        "auto", description="prefix attention: auto (flashinfer's MLA kernel on CUDA when "
-                            "installed) or torch")
+    attention: Literal["auto", "flashinfer", "triton", "torch"] = Field(
+        "auto", description="how attention reads the paged caches: flashinfer (its MLA prefix "
+                            "kernel), triton (paged kernels whose work follows each row's "
+                            "length), torch (gathered slots); auto: flashinfer where its "
+                            "constraints hold, else triton, on CUDA; torch on the CPU")
     tp: Annotated[int, Field(ge=1)] = Field(1, description="tensor-parallel ranks: run under "
                                                            "torchrun --nproc-per-node N")
     tp_timeout: Annotated[float, Field(gt=0)] = Field(

@@ -128,7 +128,7 @@ class LLM:
                                       capture_sizes=cfg.capture_sizes,
                                       use_graphs=cfg.use_graphs, timer=self.timer,
                                       budgets=budgets)
-        self._attach_prefix_kernels(max_pages)
+        self._attach_attention(max_pages)
         self.runner.capture(progress=progress)
         # Without graphs nothing needs fixed shapes: route tokens only through their experts.
         self.models.sparse_moe = not self.runner.use_graphs
@@ -144,23 +144,49 @@ class LLM:
         self.stats: dict[str, Any] = {}
         self._next_id = 0
 
-    def _attach_prefix_kernels(self, max_pages: int) -> None:
-        """On CUDA with flashinfer installed, one planned MLA prefix kernel per captured batch
-        size (the runner plans it before each step, outside the graph)."""
-        if self.config.attention == "torch" or self.pool.target.device.type != "cuda":
+    def _attach_attention(self, max_pages: int) -> None:
+        """How attention reads the paged caches (`--attention`): flashinfer's MLA prefix
+        kernel where its constraints hold (one planned per captured batch size; the runner
+        plans it before each step, outside the graph), the paged kernels (Triton on CUDA, their
+        torch twins elsewhere) for the rest, or the torch pass over gathered slots. `auto`
+        never picks a kernel whose constraints fail: on CUDA flashinfer, else Triton, else
+        torch; on the CPU torch."""
+        want, dev = self.config.attention, self.pool.target.device
+        if want == "torch" or (want == "auto" and dev.type != "cuda"):
             return
-        from ops.attention_gpu import FlashInferMLAPrefix, flashinfer_available, prefix_planner
+        from ops.attention_gpu import (
+            FlashInferMLAPrefix,
+            MLADevice,
+            flashinfer_available,
+            mla_unsupported_reason,
+            mla_workspace_bytes,
+            prefix_planner,
+        )
+        from ops.custom_ops import triton_available
 
-        if not flashinfer_available():
-            return
-        mc = self.models.target.cfg
-        heads = self.models.target.model.layers[0].self_attn.num_heads  # this rank's
-        backends = {bs: FlashInferMLAPrefix(
-            bs, self.runner.shapes[(bs, False)].num_nodes, max_pages, self.pool.page_size,
-            heads, mc.kv_lora_rank, mc.qk_rope_head_dim, mc.softmax_scale, self.pool.target.dtype,
-            self.pool.target.device) for bs in self.runner.capture_sizes}
-        self.models.prefix = dict(backends)
-        self.runner.planner = prefix_planner(backends)
+        if want in ("auto", "flashinfer"):
+            why = "flashinfer needs CUDA and the `gpu` extra" if not flashinfer_available() \
+                else None
+            mc, heads = self.models.target.cfg, self.models.target.model.layers[0].self_attn
+            dtype, sizes = self.pool.target.dtype, self.runner.capture_sizes
+            nodes = {bs: self.runner.shapes[(bs, False)].num_nodes for bs in sizes}
+            facts = MLADevice.of(dev) if why is None else None
+            why = why or next((r for bs in sizes if (r := mla_unsupported_reason(
+                mc.kv_lora_rank, mc.qk_rope_head_dim, dtype, facts, num_heads=heads.num_heads,
+                num_queries=nodes[bs], batch_size=bs)) is not None), None)
+            if why is None:
+                ws = torch.empty(mla_workspace_bytes(mc.kv_lora_rank, facts.num_sms),
+                                 dtype=torch.uint8, device=dev)  # NOTE: one stream: shared
+                backends = {bs: FlashInferMLAPrefix(
+                    bs, nodes[bs], max_pages, self.pool.page_size, heads.num_heads,
+                    mc.kv_lora_rank, mc.qk_rope_head_dim, mc.softmax_scale, dtype, dev,
+                    workspace=ws, device_facts=facts) for bs in sizes}
+                self.models.prefix = dict(backends)
+                self.runner.planner = prefix_planner(backends)
+            elif want == "flashinfer":
+                raise ValueError(f"--attention flashinfer cannot run here: {why}")
+        if want == "triton" or dev.type != "cuda" or triton_available():
+            self.models.attention = "paged"
 
     # ---- prompts -----------------------------------------------------------------------------
 

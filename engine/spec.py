@@ -20,7 +20,7 @@ from torch import Tensor
 from engine.config import MODES
 from engine.dist import Group
 from engine.kv_cache import DUMMY_PAGE, KVPool
-from engine.models.dflash import DFlashDrafter
+from engine.models.dflash import DFlashDrafter, PagedContext
 from engine.models.kimi import KimiForCausalLM
 from ops.attention import PrefixKernel, gather_slots
 from ops.sampling import target_probs
@@ -136,9 +136,29 @@ class Models:
     sparse_moe: bool = False
     # Tensor parallelism: this rank's group (`engine.dist`); None in a single process.
     tp: Group | None = None
-    # Planned prefix-attention kernels per (padded) batch size (`ops.attention_gpu`, CUDA);
-    # sizes without one use the torch prefix pass.
+    # How attention reads the paged caches: "torch" gathers the page table's slots (eager runs
+    # trim the table to the batch's live width; a graph gathers its whole fixed width), "paged"
+    # reads them in place with work that follows each row's length (the kimi:: paged ops:
+    # Triton on CUDA, their torch twins elsewhere).
+    attention: str = "torch"
+    # Planned flashinfer MLA prefix kernels per (padded) batch size (`ops.attention_gpu`,
+    # CUDA): where present they take the target's prefix pass.
     prefix: dict[int, PrefixKernel] = field(default_factory=dict)
+
+    def prefix_for(self, buf: StepBuffers, page_size: int) -> PrefixKernel | None:
+        """The target's prefix-attention kernel for this step: flashinfer's planned one, the
+        paged op over `buf`'s page table, or None (the torch pass over gathered slots)."""
+        planned = self.prefix.get(buf.anchor.shape[0])
+        if planned is not None or self.attention != "paged":
+            return planned
+        table, scale = buf.page_table, self.target.cfg.softmax_scale
+
+        def paged(q_lat: Tensor, q_pe: Tensor, kv: Tensor, ctx_len: Tensor
+                  ) -> tuple[Tensor, Tensor]:
+            return torch.ops.kimi.mla_prefix_attention(q_lat, q_pe, kv, table, ctx_len,
+                                                       page_size, scale)
+
+        return paged
 
     @property
     def aux_layers(self) -> tuple[int, ...]:
@@ -160,17 +180,23 @@ def slot_of(page_table: Tensor, pos: Tensor, page_size: int) -> Tensor:
 
 
 def draft(models: Models, pool: KVPool, buf: StepBuffers, shape: StepShape,
-          ctx_slots: Tensor) -> Tensor:
+          ctx_slots: Tensor | None) -> Tensor:
     """Draft logits `[bs, D, V]` (`D = shape.draft_depth`) for the block `[anchor, MASK x L]`
-    at `cache_len ..`."""
+    at `cache_len ..`; the context is gathered through `ctx_slots [bs, C]`, or read in place
+    when those are None (paged attention)."""
     target, drafter = models.target, models.drafter
     bs, B = buf.anchor.shape[0], shape.block_size
     block = torch.full((bs, B), drafter.c.mask_token_id, dtype=torch.int64,
                        device=buf.anchor.device)
     block[:, 0] = buf.anchor
     positions = buf.cache_len[:, None] + torch.arange(B, device=block.device)
-    ctx_kv = gather_slots(pool.draft, ctx_slots)  # [layers, bs, C, kv_dim]
-    ctx_valid = torch.arange(ctx_slots.shape[1], device=block.device) < buf.cache_len[:, None]
+    if ctx_slots is None:
+        ctx_kv: Tensor | PagedContext = PagedContext(pool.draft, buf.page_table, buf.cache_len,
+                                                     pool.page_size)
+        ctx_valid = None
+    else:
+        ctx_kv = gather_slots(pool.draft, ctx_slots)  # [layers, bs, C, kv_dim]
+        ctx_valid = torch.arange(ctx_slots.shape[1], device=block.device) < buf.cache_len[:, None]
     # NOTE: row 0 (the anchor's own) predicts nothing; row j predicts depth j.
     D = shape.draft_depth
     h = drafter(target.model.embed_tokens(block), positions, ctx_kv, ctx_valid, rows=(1, D + 1))
@@ -257,9 +283,11 @@ def prefill(models: Models, pool: KVPool, ctx: list[int], pages: list[int]) -> T
 def spec_step(models: Models, pool: KVPool, buf: StepBuffers, shape: StepShape,
               timer: Timer = _no_timer) -> None:
     """One speculative step for every row of `buf` (padding rows included)."""
-    C = buf.page_table.shape[1] * pool.page_size
-    ctx_slots = slot_of(buf.page_table, torch.arange(C, device=buf.anchor.device)[None, :]
-                        .expand(buf.page_table.shape[0], C), pool.page_size)
+    ctx_slots = None
+    if models.attention != "paged":
+        C = buf.page_table.shape[1] * pool.page_size
+        ctx_slots = slot_of(buf.page_table, torch.arange(C, device=buf.anchor.device)[None, :]
+                            .expand(buf.page_table.shape[0], C), pool.page_size)
     draft_logits = None
     if shape.mode != "ar":
         with timer("draft"):
@@ -271,7 +299,7 @@ def spec_step(models: Models, pool: KVPool, buf: StepBuffers, shape: StepShape,
         logits, aux = models.target.verify(
             tree.tokens, tree.positions(buf.cache_len), pool.target, ctx_slots,
             buf.cache_len, tree.visible, buf.tree_kv, aux_layers, models.sparse_moe,
-            models.prefix.get(buf.anchor.shape[0]))
+            models.prefix_for(buf, pool.page_size))
     with timer("decide"):
         dec = decide(logits, tree, buf, shape)
         if models.tp is not None:

@@ -4,6 +4,11 @@
 - `torch.ops.kimi.moe_experts_w4a16(x, idx, w, w13_packed, w13_scale, w2_packed, w2_scale,
   group_size=32, block=16)`: INT4 pack-quantized expert weights, dequantized per call.
 - `torch.ops.kimi.fp8_linear(x, w, scale_inv, block_n=128, block_k=128)`: FP8 block weights.
+- `torch.ops.kimi.mla_prefix_attention(q_lat, q_pe, kv_cache, page_table, ctx_len, page_size,
+  scale)` and `torch.ops.kimi.draft_context_attention(q, draft_cache, page_table, ctx_len,
+  page_size, scale)`: attention over a paged cache whose work follows each row's length
+  (`ops.attention_triton` on CUDA, the `ops.paged` twins elsewhere); each returns the output
+  and its natural-log LSE.
 
 Shapes: `x [T, H]`, `idx/w [T, k]` (routing ids and weights; ids outside `[0, E)` are
 dropped), `w13 [E, 2I, H]` (gate rows then up rows), `w2 [E, H, I]`, packed as in
@@ -29,6 +34,7 @@ import torch
 from torch import Tensor
 from torch.utils.flop_counter import register_flop_formula
 
+from ops import paged
 from ops.moe import experts_aligned, experts_aligned_w4a16, moe_flops
 from ops.quant import fp8_linear_torch
 
@@ -122,6 +128,45 @@ def _fp8_linear_fake(x: Tensor, w: Tensor, scale_inv: Tensor, block_n: int = 128
     torch._check(tuple(scale_inv.shape) == (-(-n // block_n), -(-k // block_k)),
                  lambda: f"scale_inv {tuple(scale_inv.shape)} does not match weight {(n, k)}")
     return x.new_empty(*x.shape[:-1], n)
+
+
+@torch.library.custom_op("kimi::mla_prefix_attention", mutates_args=())
+def mla_prefix_attention(q_lat: Tensor, q_pe: Tensor, kv_cache: Tensor, page_table: Tensor,
+                         ctx_len: Tensor, page_size: int, scale: float) -> tuple[Tensor, Tensor]:
+    """MLA queries `[bs, Q, H, R]` / `[bs, Q, H, P]` against their rows' committed prefixes in
+    the paged latent cache `[num_slots, R + P]` -> output `[bs, Q, H, R]` fp32, LSE `[bs, Q, H]`."""
+    if _use_triton(q_lat):
+        from ops.attention_triton import mla_prefix_attention as kernel
+
+        return kernel(q_lat, q_pe, kv_cache, page_table, ctx_len, page_size, scale)
+    return paged.mla_prefix_attention(q_lat, q_pe, kv_cache, page_table, ctx_len, page_size,
+                                      scale)
+
+
+@mla_prefix_attention.register_fake
+def _mla_prefix_fake(q_lat: Tensor, q_pe: Tensor, kv_cache: Tensor, page_table: Tensor,
+                     ctx_len: Tensor, page_size: int, scale: float) -> tuple[Tensor, Tensor]:
+    return q_lat.new_empty(q_lat.shape, dtype=torch.float32), q_lat.new_empty(
+        q_lat.shape[:-1], dtype=torch.float32)
+
+
+@torch.library.custom_op("kimi::draft_context_attention", mutates_args=())
+def draft_context_attention(q: Tensor, draft_cache: Tensor, page_table: Tensor, ctx_len: Tensor,
+                            page_size: int, scale: float) -> tuple[Tensor, Tensor]:
+    """The drafter's queries `[bs, M, nh, hd]` against their rows' paged context K/V
+    `[num_slots, 2 * kvh * hd]` -> output `[bs, M, nh, hd]` fp32, LSE `[bs, M, nh]`."""
+    if _use_triton(q):
+        from ops.attention_triton import draft_context_attention as kernel
+
+        return kernel(q, draft_cache, page_table, ctx_len, page_size, scale)
+    return paged.draft_context_attention(q, draft_cache, page_table, ctx_len, page_size, scale)
+
+
+@draft_context_attention.register_fake
+def _draft_context_fake(q: Tensor, draft_cache: Tensor, page_table: Tensor, ctx_len: Tensor,
+                        page_size: int, scale: float) -> tuple[Tensor, Tensor]:
+    return q.new_empty(q.shape, dtype=torch.float32), q.new_empty(q.shape[:-1],
+                                                                  dtype=torch.float32)
 
 
 @register_flop_formula(torch.ops.kimi.moe_experts)

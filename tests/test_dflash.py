@@ -70,3 +70,22 @@ def test_rows_limit_only_the_last_layers_queries(tmp_path):
     for rows in [(1, 4), (1, B), (0, 1)]:
         part = d(emb, pos, ctx_kv, ctx_valid, rows=rows)
         torch.testing.assert_close(part, full[:, rows[0]:rows[1]], rtol=1e-5, atol=1e-5)
+
+
+def test_rotary_frequencies_stay_fp32_in_a_bf16_model(tmp_path):
+    """Rounded to bf16 the frequencies would be off by up to 0.3% (radians off at long
+    distances); both models keep them fp32 whatever their dtype."""
+    from engine.models.kimi import KimiForCausalLM
+    from engine.tools.make_draft import make_draft
+    from ops.rope import rope_frequencies
+
+    t = make_tiny(tmp_path / "t", dtype="fp32")
+    d = make_draft(t, tmp_path / "d")
+    drafter = DFlashDrafter.from_dir(d, 64, dtype=torch.bfloat16)
+    target = KimiForCausalLM.from_dir(t, dtype=torch.bfloat16, progress=False)
+    c = drafter.c
+    want, _ = rope_frequencies(c.head_dim, c.rope_theta, c.rope_scaling,
+                               c.max_position_embeddings)
+    assert drafter.inv_freq.dtype == torch.float32 and torch.equal(drafter.inv_freq, want)
+    assert drafter.layers[0].self_attn.q_proj.weight.dtype == torch.bfloat16
+    assert target.inv_freq.dtype == torch.float32

@@ -264,3 +264,43 @@ def test_llm_budget_policy_keeps_greedy_output(tmp_path, monkeypatch):
     tree = llm.generate(prompts, params)
     assert [o.token_ids for o in tree] == [o.token_ids for o in ar]
     assert llm.stats["mean_accept_len"] > 1.5
+
+
+# ---- live work at fixed shapes: paged attention, experts over aligned blocks ------------------
+
+
+@pytest.mark.parametrize("moe", ["dense", "aligned"])
+@pytest.mark.parametrize("attention", ["torch", "paged"])
+@pytest.mark.parametrize("sample", [False, True], ids=["greedy", "sample"])
+def test_step_with_paged_attention_and_aligned_experts_runs_on_fake_tensors(
+        models, monkeypatch, attention, moe, sample):
+    """The paged attention ops (target prefix, drafter context) and the expert bank over
+    aligned blocks keep the step free of host syncs and data-dependent shapes."""
+    import engine.models.kimi as kimi
+
+    monkeypatch.setattr(models, "attention", attention)
+    if moe == "aligned":
+        monkeypatch.setattr(kimi, "dense_is_cheaper", lambda *a: False)
+    shape = StepShape("tree", 6, BLOCK, sample)
+    pool, buf = _fake_inputs(models, shape)
+    run_on_fake(spec_step, models, pool, buf, shape)
+
+
+def test_paged_attention_and_aligned_experts_keep_greedy_output(tmp_path, monkeypatch):
+    """Reading the caches in place and running only the chosen experts at fixed shapes give the
+    tokens the gathered, dense step gives."""
+    import engine.models.kimi as kimi
+    from engine import LLM
+
+    target, draft = write_pair(tmp_path)
+    prompts = [[5, 6, 7], list(range(20, 45)), [9] * 11]
+    params = SamplingParams(max_new_tokens=16, ignore_eos=True)
+    ref = LLM(target, draft, mode="tree", budget=5, max_batch_size=2, progress=False,
+              attention="torch").generate(prompts, params)
+    monkeypatch.setattr(kimi, "dense_is_cheaper", lambda *a: False)
+    llm = LLM(target, draft, mode="tree", budget=5, max_batch_size=2, progress=False,
+              attention="triton")
+    llm.models.sparse_moe = False  # as in a captured step: experts over aligned blocks
+    assert llm.models.attention == "paged"
+    got = llm.generate(prompts, params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in ref]

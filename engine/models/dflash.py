@@ -9,6 +9,7 @@ the token's position) and V, in the same paged slots as the target's latent cach
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,7 @@ from engine.config import DraftConfig
 from engine.dist import Group
 from engine.models.layers import MLP, RMSNorm, cast_parameters, checkpoint_tensors, linear
 from engine.weights import load_checkpoint
+from ops.paged import draft_attention
 from ops.rope import apply_rope_half, rope_cos_sin, rope_frequencies
 
 
@@ -45,16 +47,22 @@ class DraftAttention(nn.Module):
         v = self.v_proj(x)
         return torch.cat([k.flatten(-2), v], dim=-1)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, ctx_kv: Tensor, ctx_valid: Tensor,
-                rows: tuple[int, int] | None = None) -> Tensor:
-        """`x [bs, B, H]` (the block, normed); `ctx_kv [bs, C, kv_dim]`, `ctx_valid [bs, C]`.
-        Every block row is a key; `rows = (start, stop)` limits the queries (and the output) to
-        those rows."""
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, ctx_kv: Tensor | PagedContext,
+                ctx_valid: Tensor | None, rows: tuple[int, int] | None = None) -> Tensor:
+        """`x [bs, B, H]` (the block, normed); the committed context either gathered, `ctx_kv
+        [bs, C, kv_dim]` with `ctx_valid [bs, C]`, or read in place (`PagedContext` of this
+        layer). Every block row is a key; `rows = (start, stop)` limits the queries (and the
+        output) to those rows."""
         c = self.c
         bs, B, _ = x.shape
         a, b = rows or (0, B)
         q = self.q_norm(self.q_proj(x[:, a:b]).view(bs, b - a, self.num_heads, c.head_dim))
         q = apply_rope_half(q, cos[:, a:b], sin[:, a:b])
+        if isinstance(ctx_kv, PagedContext):
+            o = draft_attention(q, self.kv(x, cos, sin), ctx_kv.cache, ctx_kv.page_table,
+                                ctx_kv.ctx_len, ctx_kv.page_size, c.head_dim ** -0.5,
+                                context=torch.ops.kimi.draft_context_attention)
+            return self.o_proj(o.to(x.dtype).reshape(bs, b - a, -1))
         kv = torch.cat([ctx_kv, self.kv(x, cos, sin)], dim=1)  # [bs, C + B, kv_dim]
         half = kv.shape[-1] // 2
         k = kv[..., :half].view(bs, -1, self.num_kv_heads, c.head_dim).transpose(1, 2)
@@ -66,6 +74,21 @@ class DraftAttention(nn.Module):
             q.transpose(1, 2), k.to(q.dtype), v.to(q.dtype), attn_mask=valid[:, None, None, :],
             enable_gqa=self.num_heads != self.num_kv_heads)
         return self.o_proj(o.transpose(1, 2).reshape(bs, b - a, -1))
+
+
+@dataclass
+class PagedContext:
+    """The drafter's committed context read in place from its paged cache: `cache [layers,
+    num_slots, kv_dim]` (or one layer's `[num_slots, kv_dim]`), `page_table [bs, W]`, `ctx_len
+    [bs]`. Indexing by layer gives that layer's context."""
+
+    cache: Tensor
+    page_table: Tensor
+    ctx_len: Tensor
+    page_size: int
+
+    def __getitem__(self, layer: int) -> PagedContext:
+        return replace(self, cache=self.cache[layer])
 
 
 class DraftLayer(nn.Module):
@@ -146,12 +169,13 @@ class DFlashDrafter(nn.Module):
         # NOTE: context features skip each layer's input norm (they are normed once above).
         return torch.stack([layer.self_attn.kv(ctx, cos, sin) for layer in self.layers])
 
-    def forward(self, block_emb: Tensor, positions: Tensor, ctx_kv: Tensor, ctx_valid: Tensor,
-                rows: tuple[int, int] | None = None) -> Tensor:
+    def forward(self, block_emb: Tensor, positions: Tensor, ctx_kv: Tensor | PagedContext,
+                ctx_valid: Tensor | None = None, rows: tuple[int, int] | None = None) -> Tensor:
         """`block_emb [bs, B, H]` (target embeddings of `[anchor, MASK...]`), `positions [bs, B]`,
-        `ctx_kv [layers, bs, C, kv_dim]`, `ctx_valid [bs, C]` -> normed hidden `[bs, B, H]`, or
-        only block rows `rows = (start, stop)` (the last layer then computes only those; the
-        others still need every row as a key)."""
+        the context gathered (`ctx_kv [layers, bs, C, kv_dim]`, `ctx_valid [bs, C]`) or paged
+        (`PagedContext`) -> normed hidden `[bs, B, H]`, or only block rows `rows = (start,
+        stop)` (the last layer then computes only those; the others still need every row as
+        a key)."""
         cos, sin = self._rope(positions)
         h = block_emb
         last = len(self.layers) - 1
