@@ -22,10 +22,52 @@ def _read(fn: Callable[[], Any]) -> Any:
         return None
 
 
+def pci_bus_id(index: int) -> str | None:
+    """The PCI address (`"0000:3b:00.0"`) of CUDA device `index`, from torch's device properties
+    (`pci_domain_id`, `pci_bus_id`, `pci_device_id`); None when this torch does not expose them."""
+    import torch
+
+    props = torch.cuda.get_device_properties(index)
+    ids = [getattr(props, k, None) for k in ("pci_domain_id", "pci_bus_id", "pci_device_id")]
+    if any(not isinstance(i, int) for i in ids):
+        return None
+    return f"{ids[0]:04x}:{ids[1]:02x}:{ids[2]:02x}.0"
+
+
+def nvml_handle(nvml: Any, index: int) -> tuple[Any, str]:
+    """NVML's handle for CUDA device `index`, and how it was found.
+
+    NVML numbers devices in PCI order while CUDA's ordinals follow CUDA_DEVICE_ORDER (fastest
+    first by default) and CUDA_VISIBLE_DEVICES, so the device is looked up by its PCI bus id
+    (`nvmlDeviceGetHandleByPciBusId`, which calls NVML's `..._v2`); only when that fails is NVML
+    asked for the same index, and the returned note says so."""
+    try:
+        pci = pci_bus_id(index)
+    except Exception as e:  # no CUDA in this torch, a bad ordinal
+        pci, why = None, f"{type(e).__name__}: {e}"
+    else:
+        why = "torch exposes no PCI bus id"
+    if pci is not None:
+        by_pci = getattr(nvml, "nvmlDeviceGetHandleByPciBusId_v2", None) or getattr(
+            nvml, "nvmlDeviceGetHandleByPciBusId", None)
+        if by_pci is None:
+            why = "this pynvml has no nvmlDeviceGetHandleByPciBusId"
+        else:
+            try:
+                return by_pci(pci), f"PCI bus id {pci}"
+            except Exception as e:  # NVMLError_NotFound, NVMLError_InvalidArgument
+                why = f"PCI bus id {pci} not found ({type(e).__name__}: {e})"
+    return (nvml.nvmlDeviceGetHandleByIndex(index),
+            f"NVML index {index} ({why}; NVML and CUDA may order devices differently)")
+
+
 class Telemetry:
+    """NVML telemetry for CUDA device `index` (the ordinal torch uses), found by PCI bus id."""
+
     def __init__(self, index: int = 0, enabled: bool = True):
         self.available = False
         self.reason = f"{NO_TELEMETRY} (no CUDA device)"
+        self.lookup: str | None = None
         self.nvml: Any = None
         self.handle: Any = None
         if not enabled:
@@ -35,10 +77,12 @@ class Telemetry:
 
             pynvml.nvmlInit()
             self.nvml = pynvml
-            self.handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+            self.handle, self.lookup = nvml_handle(pynvml, index)
             self.available = True
         except Exception as e:  # ImportError, NVMLError_LibraryNotFound, NVMLError_DriverNotLoaded
             self.reason = f"{NO_TELEMETRY} ({type(e).__name__}: {e})"
+            if self.nvml is not None:  # initialised, but no handle for this device
+                _read(self.nvml.nvmlShutdown)
 
     def close(self) -> None:
         if self.available:
@@ -66,6 +110,7 @@ class Telemetry:
             "pcie_width": _read(lambda: n.nvmlDeviceGetCurrPcieLinkWidth(h)),
             "nvlink_active_links": self._nvlinks(),
             "gpu_count": _read(n.nvmlDeviceGetCount),
+            "nvml_device": self.lookup,
         }
         return out
 

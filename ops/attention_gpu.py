@@ -7,14 +7,22 @@ under the ancestor mask) and the two merge by log-sum-exp, in torch or with
 `flashinfer.merge_state`. The torch functions are the reference: tests/test_graphs_cuda.py
 compares each twin with them.
 
+Which flashinfer MLA backend (if any) can plan the prefix pass depends on the model's widths,
+the dtype and the GPU: `mla_backend` / `mla_unsupported_reason` answer that on the host, from
+the rules flashinfer 0.7.4 itself applies, so an unsupported model takes the torch path before
+any capture instead of failing inside one.
+
 Graph use: one `FlashInferMLAPrefix` per captured batch size (its metadata buffers are fixed);
-`plan()` is host-side work and runs before every replay, outside the graph; `__call__` is what
-the graph captures.
+`plan()` is host-side work on host tensors and runs before every replay, outside the graph;
+`__call__` is what the graph captures.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -33,10 +41,322 @@ def flashinfer_available() -> bool:
     return True
 
 
+# ---- which flashinfer MLA backend can plan the prefix pass (pure; tested on the CPU) -------------
+
+# flashinfer 0.7.4's `_AUTO_BACKEND_CANDIDATES` (mla/_batch_mla/_auto_policy.py:109-119), the
+# order "auto" falls back through after each architecture's preferences.
+AUTO_ORDER = ("fa2", "fa3", "trtllm-gen", "cute-dsl-monolithic", "cute-dsl-modular",
+              "cute-dsl-rubin-mtp", "cutlass", "xqa", "cutile")
+FA_MAX_WORK_ITEMS = 16384  # scheduler.cuh MLAPlan `max_total_num_works`; _fa_common.py:255
+FA_TILE_Q = 64  # scheduler.cuh MLAPlan `cta_tile_q`
+MAX_SMS = 160  # sizes the workspace when the SM count is unknown (H200: 132, B200: 148)
+# (shared memory per SM, opt-in shared memory per block) in bytes, from the CUDA C++ programming
+# guide's compute-capability table; used when the caller gives no measured device properties.
+SMEM_BY_SM: dict[tuple[int, int], tuple[int, int]] = {
+    (8, 0): (167936, 166912), (8, 6): (102400, 101376), (8, 7): (167936, 166912),
+    (8, 9): (102400, 101376), (9, 0): (233472, 232448), (10, 0): (233472, 232448),
+    (10, 3): (233472, 232448), (12, 0): (102400, 101376), (12, 1): (102400, 101376),
+}
+_SM100 = ((10, 0), (10, 3), (10, 7))
+# What `FlashInferMLAPrefix.plan` declares to flashinfer; the rules below are read against it.
+_CONTRACT = ("CSR host metadata, use_cuda_graph=True, split query and KV views, "
+             "lse_mode='basee', causal=False, query, KV and output of one dtype")
+
+
+@dataclass(frozen=True)
+class MLADevice:
+    """The device facts flashinfer's MLA planning reads: compute capability, the CUDA version
+    torch was built with (None: assume new enough), the SM count (None: skip the work-item and
+    workspace checks) and the shared-memory limits (None: from `SMEM_BY_SM`)."""
+
+    sm: tuple[int, int]
+    cuda: str | None = None
+    num_sms: int | None = None
+    smem_per_sm: int | None = None
+    smem_per_block: int | None = None
+
+    @classmethod
+    def of(cls, device: torch.device | str | int) -> MLADevice:
+        """The facts of a CUDA device, from `torch.cuda.get_device_properties`."""
+        props = torch.cuda.get_device_properties(device)
+        return cls((props.major, props.minor), torch.version.cuda, props.multi_processor_count,
+                   getattr(props, "shared_memory_per_multiprocessor", None),
+                   getattr(props, "shared_memory_per_block_optin", None))
+
+    @property
+    def smem(self) -> tuple[int, int] | None:
+        if self.smem_per_sm is not None and self.smem_per_block is not None:
+            return self.smem_per_sm, self.smem_per_block
+        return SMEM_BY_SM.get(self.sm)
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What the plan-time checks that depend on the batch read (None skips a check)."""
+
+    num_heads: int | None = None
+    num_queries: int | None = None
+    batch_size: int | None = None
+    workspace_bytes: int | None = None
+
+
+def _as_device(sm: int | tuple[int, int] | MLADevice) -> MLADevice:
+    if isinstance(sm, MLADevice):
+        return sm
+    if isinstance(sm, int):  # 90 -> (9, 0), 100 -> (10, 0), 86 -> (8, 6)
+        return MLADevice((sm // 10, sm % 10))
+    return MLADevice((int(sm[0]), int(sm[1])))
+
+
+def _cuda_at_least(cuda: str | None, want: tuple[int, int]) -> bool:
+    if cuda is None:
+        return True
+    try:
+        return tuple(int(x) for x in cuda.split(".")[:2]) >= want
+    except ValueError:
+        return True
+
+
+def fa_shared_bytes(backend: str, kv_lora_rank: int, rope_dim: int, smem_per_sm: int) -> int:
+    """Shared memory one fa2/fa3 MLA block needs (bf16/fp16 KV): flashinfer 0.7.4
+    `_generated_fa_shared_bytes` (mla/_batch_mla/_backends/_fa_common.py:221-252). fa2 picks its
+    KV tile from the SM's shared memory; below 92672 bytes per SM it has no configuration (-1)."""
+    ckv, kpe = kv_lora_rank, rope_dim
+    q_bytes = FA_TILE_Q * (ckv + kpe) * 2
+    if backend == "fa3":
+        stage = FA_TILE_Q * ckv * 2 + max(FA_TILE_Q * kpe * 2, FA_TILE_Q * 64 * 2)
+        return q_bytes + max(2 * stage + 32, FA_TILE_Q * ckv * 2) + 3 * FA_TILE_Q * 4 + 64
+    if smem_per_sm >= 221696:
+        stages, tile_kv = 2, 64
+    elif smem_per_sm >= 147968:
+        stages, tile_kv = 2, 32
+    elif smem_per_sm >= 92672:
+        stages, tile_kv = 1, 16
+    else:
+        return -1
+    kv_bytes = stages * tile_kv * (ckv + max(kpe, 64)) * 2
+    return max(q_bytes + kv_bytes + 32 + 2 * FA_TILE_Q * 4, FA_TILE_Q * ckv * 2)
+
+
+def fa_work_items_bound(batch_size: int, num_queries: int, num_heads: int, num_sms: int) -> int:
+    """An upper bound on the work items fa2/fa3 plan for `batch_size` requests of `num_queries`
+    queries (any context lengths): flashinfer's `_fa_plan_work_count` (_fa_common.py:258-324)
+    counts one item per (query tile, KV split); the KV split limit is at least the mean KV per
+    cluster, so the splits add at most one item per cluster to the query tiles."""
+    packed = num_queries * num_heads
+    cluster = 2 if packed > FA_TILE_Q else 1
+    tiles = batch_size * -(-packed // (FA_TILE_Q * cluster))
+    return tiles + num_sms // cluster
+
+
+def mla_workspace_bytes(kv_lora_rank: int, num_sms: int) -> int:
+    """Float workspace the fa2/fa3 MLA wrapper needs on a GPU with `num_sms` SMs, rounded up to
+    a MiB: the partial outputs (fp16/bf16) and partial LSEs (fp32) of the split-KV merge."""
+    # NOTE: scheduler.cuh MLAPlan (flashinfer 0.7.4 data/include/flashinfer/attention/
+    # scheduler.cuh:1882-1885) allocates 2 * num_clusters * cluster_tile_q rows of
+    # `2 * head_dim_o` bytes (mla_partial_o) and 4 bytes (mla_partial_lse), each 16-aligned;
+    # num_clusters * cluster_tile_q <= num_sms * 64 for cluster size 1 or 2, and 0.7.4 refuses a
+    # smaller buffer in preflight (_fa_common.py:909-928). H200 (132 SMs), rank 512: 17.4 MB.
+    rows = 2 * num_sms * FA_TILE_Q
+    need = rows * (2 * kv_lora_rank + 4) + 2 * 16
+    return -(-need // (1 << 20)) << 20
+
+
+def _fa_problems(name: str, ckv: int, kpe: int, dtype: torch.dtype, dev: MLADevice,
+                 work: Workload) -> list[str]:
+    """flashinfer 0.7.4 `_validate_generated_fa_plan` (_fa_common.py:102-218), the work-item
+    bound (`_validate_fa_plan_workload`, :362-384) and the workspace preflight (:909-928)."""
+    out = []
+    if dtype not in (torch.float16, torch.bfloat16):
+        out.append(f"needs fp16/bf16 queries and KV, got {dtype}")
+    dims_ok = ckv % 128 == 0 and kpe % 64 == 0
+    if not dims_ok:
+        out.append("needs kv_lora_rank % 128 == 0 and qk_rope_head_dim % 64 == 0, "
+                   f"got {ckv}/{kpe}")
+    if name == "fa3":
+        if dev.sm[0] != 9 or not _cuda_at_least(dev.cuda, (12, 3)):
+            out.append(f"needs SM90 and CUDA >= 12.3, got SM{dev.sm[0]}{dev.sm[1]}"
+                       + (f" with CUDA {dev.cuda}" if dev.cuda else ""))
+        if ckv not in (128, 256, 512):
+            out.append(f"needs kv_lora_rank in (128, 256, 512), got {ckv}")
+    elif dev.sm[0] < 8:
+        out.append(f"needs SM80 or newer, got SM{dev.sm[0]}{dev.sm[1]}")
+    smem = dev.smem
+    if dims_ok and smem is not None:
+        need = fa_shared_bytes(name, ckv, kpe, smem[0])
+        if need < 0:
+            out.append(f"needs >= 92672 shared-memory bytes per SM, the GPU has {smem[0]}")
+        elif need > smem[1]:
+            out.append(f"needs {need} shared-memory bytes per block for {ckv}/{kpe}, "
+                       f"the GPU allows {smem[1]}")
+    if dev.num_sms is not None and work.batch_size and work.num_queries and work.num_heads:
+        items = fa_work_items_bound(work.batch_size, work.num_queries, work.num_heads,
+                                    dev.num_sms)
+        if items > FA_MAX_WORK_ITEMS:
+            out.append(f"plans up to {items} work items for {work.batch_size} x "
+                       f"{work.num_queries} queries x {work.num_heads} heads; the kernel "
+                       f"holds {FA_MAX_WORK_ITEMS}")
+    if dev.num_sms is not None and work.workspace_bytes is not None:
+        need = 2 * dev.num_sms * FA_TILE_Q * (2 * ckv + 4)  # see mla_workspace_bytes
+        if work.workspace_bytes < need:
+            out.append(f"needs {need} float workspace bytes, got {work.workspace_bytes}")
+    return out
+
+
+PACKED_ONLY = "needs a packed query and dense device metadata under CUDA graphs"
+NO_LSE = "returns no LSE"
+
+
+def _other_problems(name: str, ckv: int, kpe: int, dtype: torch.dtype, dev: MLADevice,
+                    num_queries: int | None) -> list[str]:
+    """The non-FA backends, against `_CONTRACT`: each is ruled out by the contract itself, and
+    the architecture and width rules say why it could not serve this model even otherwise."""
+    sm = f"SM{dev.sm[0]}{dev.sm[1]}"
+    out = []
+    if name == "trtllm-gen":  # trtllm_gen_backend.py:113-124, 179, 203-268, 963-988
+        if dev.sm not in _SM100:
+            out.append(f"needs SM100/SM103/SM107, got {sm}")
+        out.append(PACKED_ONLY)
+        if num_queries is None or num_queries > 1:
+            out.append("takes several queries per request only with causal=True")
+        if dtype != torch.bfloat16:
+            out.append(f"needs bf16 (or fp8 in, bf16 out), got {dtype}")
+        if (ckv, kpe) not in ((512, 64), (256, 64)):
+            out.append(f"needs widths 512/64 or 256/64, got {ckv}/{kpe}")
+    elif name.startswith("cute-dsl"):  # _cute_dsl_common.py:59-124, 456; *_backend.py caps
+        need = ((10, 7),) if name == "cute-dsl-rubin-mtp" else _SM100
+        if dev.sm not in need:
+            out.append("needs " + ("SM107" if len(need) == 1 else "SM100/SM103/SM107")
+                       + f", got {sm}")
+        out.append(PACKED_ONLY)
+        if name == "cute-dsl-modular":
+            out.append(NO_LSE)
+        if dtype not in (torch.float16, torch.bfloat16, torch.float8_e4m3fn):
+            out.append(f"needs fp16/bf16/fp8, got {dtype}")
+    elif name == "cutlass":  # cutlass_backend.py:158-199, caps :208-216
+        if dev.sm[0] not in (10, 11):
+            out.append(f"needs SM10x/SM11x, got {sm}")
+        out += [NO_LSE, PACKED_ONLY]
+        if (ckv, kpe) != (512, 64):
+            out.append(f"needs widths 512/64, got {ckv}/{kpe}")
+    elif name == "xqa":  # xqa_backend.py:63-140, caps :184-193
+        if dev.sm[0] != 12:
+            out.append(f"needs SM12x, got {sm}")
+        out += [NO_LSE, PACKED_ONLY]
+    elif name == "cutile":  # cutile_backend.py:222-231
+        out += ["experimental (FLASHINFER_ALLOW_EXPERIMENTAL_AUTO_BACKENDS=1)", NO_LSE]
+    else:
+        out.append(f"not a flashinfer 0.7.4 MLA backend: {name!r}")
+    return out
+
+
+def auto_order(dev: MLADevice) -> tuple[str, ...]:
+    """The candidates flashinfer 0.7.4's "auto" tries, in order, on this device
+    (`_BatchMLAPagedAttentionAutoBackend.plan_from_wrapper`, _auto_policy.py:58-104). SM100's
+    order depends on the workload (`ordered_sm100_backends`, :138-264); one of its outcomes is
+    used here, which changes nothing: under `_CONTRACT` only fa2/fa3 can plan."""
+    def prefer(*names: str) -> tuple[str, ...]:
+        return names + tuple(b for b in AUTO_ORDER if b not in names)
+
+    if dev.sm == (8, 0):
+        return prefer("fa2")
+    if dev.sm[0] == 9 and _cuda_at_least(dev.cuda, (12, 3)):
+        return prefer("fa3", "fa2")
+    if dev.sm in _SM100:
+        return prefer("cute-dsl-monolithic", "trtllm-gen")
+    if dev.sm[0] == 12:
+        return prefer("fa2", "xqa", "cutile")
+    return AUTO_ORDER
+
+
+def mla_backend_rejections(kv_lora_rank: int, rope_dim: int, dtype: torch.dtype,
+                           sm: int | tuple[int, int] | MLADevice, *, backend: str = "auto",
+                           num_heads: int | None = None, num_queries: int | None = None,
+                           batch_size: int | None = None, workspace_bytes: int | None = None
+                           ) -> dict[str, list[str]]:
+    """Every backend flashinfer 0.7.4 would try for the prefix pass (in its order; just
+    `backend` when one is named), each with the constraints it fails (empty: it plans).
+
+    `sm` is a compute capability (`90`, `(9, 0)`) or an `MLADevice` (its SM count and shared
+    memory add the work-item and workspace checks). `num_heads`, `num_queries`, `batch_size`
+    and `workspace_bytes` add the checks that depend on them; None skips those.
+
+    Read from flashinfer-python 0.7.4 (0.7.2.post1 has the same rules, without the
+    workspace preflight and the SM107 backend), `flashinfer/mla/_batch_mla/`:
+    - `_backends/_fa_common.py:102-218` `_validate_generated_fa_plan`: q dtype fp16/bf16
+      (:138-141), non-FP8 KV dtype equal to q (:175-179), output dtype equal to q (:148-152),
+      `head_dim_ckv % 128 == 0 and head_dim_kpe % 64 == 0` (:185-189); fa3: `is_sm90a_supported`
+      (major 9 and CUDA >= 12.3, flashinfer/utils.py:720-722) and ckv in (128, 256, 512)
+      (:191-201); fa2: SM80+ (:202-205); shared memory per block (:206-218, sizes :221-252);
+      work items <= 16384 (:255-324, :362-384); float workspace (:909-928, 0.7.4 only).
+    - `_backends/trtllm_gen_backend.py`: SM100/103/107 only (:225-230), bf16/fp8 (:244-252),
+      widths (512, 64)/(256, 64) (:41, :257-263), packed query and KV (:123-124), dense device
+      metadata under graphs (:179), no non-causal multi-query (:977-978).
+    - `_backends/_cute_dsl_common.py:59-124` (SM100/103/107, fp16/bf16/fp8), :456 (dense
+      device metadata), monolithic/modular/rubin-mtp capabilities (packed; modular has no LSE;
+      rubin-mtp SM107 only, cute_dsl_rubin_mtp_backend.py:48-50).
+    - `_backends/cutlass_backend.py:158-199` (512/64, SM10x/11x), :208-216 (no LSE, packed);
+      `_backends/xqa_backend.py:63-75` (SM12x), :184-193 (no LSE, packed);
+      `_backends/cutile_backend.py:222-231` (experimental, no LSE).
+    - `_backends/_capabilities.py:63-128`: the LSE mode and the packed-input requirement are
+      checked against the plan before anything else; `_auto_policy.py:58-104` tries the
+      candidates in order and takes the first that plans.
+    The bundled model (64/16) and float32 fail every backend; Kimi (512/64, bf16) plans fa3 on
+    SM90 and fa2 on SM80, SM100 and SM12x.
+    """
+    dev = _as_device(sm)
+    work = Workload(num_heads, num_queries, batch_size, workspace_bytes)
+    names = auto_order(dev) if backend == "auto" else (backend,)
+    out = {}
+    for name in names:
+        if name in ("fa2", "fa3"):
+            out[name] = _fa_problems(name, kv_lora_rank, rope_dim, dtype, dev, work)
+        else:
+            out[name] = _other_problems(name, kv_lora_rank, rope_dim, dtype, dev, num_queries)
+    return out
+
+
+def mla_backend(kv_lora_rank: int, rope_dim: int, dtype: torch.dtype,
+                sm: int | tuple[int, int] | MLADevice, **kw: Any) -> str | None:
+    """The backend flashinfer 0.7.4 plans the prefix pass on (`backend="auto"`: the first that
+    passes, as its auto policy does), or None when none can; `mla_unsupported_reason` says why.
+    Keywords as `mla_backend_rejections`."""
+    for name, problems in mla_backend_rejections(kv_lora_rank, rope_dim, dtype, sm,
+                                                 **kw).items():
+        if not problems:
+            return name
+    return None
+
+
+def mla_unsupported_reason(kv_lora_rank: int, rope_dim: int, dtype: torch.dtype,
+                           sm: int | tuple[int, int] | MLADevice, **kw: Any) -> str | None:
+    """None when `mla_backend` finds a backend; else one line naming every candidate's failed
+    constraints (what a log or an error shows)."""
+    rejected = mla_backend_rejections(kv_lora_rank, rope_dim, dtype, sm, **kw)
+    if any(not p for p in rejected.values()):
+        return None
+    dev = _as_device(sm)
+    return (f"no flashinfer MLA backend for kv_lora_rank {kv_lora_rank}, rope {rope_dim}, "
+            f"{dtype} on SM{dev.sm[0]}{dev.sm[1]} ({_CONTRACT}): "
+            + "; ".join(f"{name}: {', '.join(p)}" for name, p in rejected.items()))
+
+
+class MLAUnsupportedError(ValueError):
+    """No flashinfer MLA backend can plan this model on this GPU: take the torch prefix pass."""
+
+
+# ---- the prefix kernel ---------------------------------------------------------------------------
+
+
 class FlashInferMLAPrefix:
     """`ops.attention.prefix_attention` on flashinfer's paged MLA kernel, for `bs` requests of
     `num_queries` queries each over a paged latent cache `[num_slots, R + P]` (one layer; every
     layer reuses the same plan).
+
+    The backend is chosen here, before any capture, by `mla_backend` from the device's facts
+    (`device_facts`, read from the device when None); `MLAUnsupportedError` names the failed
+    constraints when there is none. `workspace` may be shared between the instances of one
+    stream (the kernels use it as scratch only while they run; plan() does not write it).
 
     Zero-length rows (padding) are planned with one token of the dummy page, so the kernel
     never sees an empty row; their output is zeroed and their LSE set to -inf afterwards, which
@@ -46,13 +366,38 @@ class FlashInferMLAPrefix:
     def __init__(self, bs: int, num_queries: int, max_pages: int, page_size: int,
                  num_heads: int, kv_lora_rank: int, rope_dim: int, scale: float,
                  dtype: torch.dtype, device: torch.device | str = "cuda",
-                 workspace_bytes: int = 128 << 20, backend: str = "auto"):
+                 workspace_bytes: int | None = None, backend: str = "auto",
+                 workspace: Tensor | None = None, device_facts: MLADevice | None = None):
         import flashinfer  # lazy: the optional `gpu` extra
 
+        try:
+            from flashinfer.mla import MLAPlanMetadata
+        except ImportError as e:  # the keyword plan()/run() forms came with 0.7.2
+            raise ImportError(f"flashinfer {getattr(flashinfer, '__version__', '?')} has no "
+                              "flashinfer.mla.MLAPlanMetadata; install flashinfer-python>=0.7.2"
+                              ) from e
+        self._metadata = MLAPlanMetadata
         dev = torch.device(device)
+        facts = device_facts if device_facts is not None else MLADevice.of(dev)
         self.bs, self.num_queries, self.page_size = bs, num_queries, page_size
         self.num_heads, self.kv_lora_rank, self.rope_dim = num_heads, kv_lora_rank, rope_dim
-        self.scale, self.dtype, self.max_pages = scale, dtype, max_pages
+        self.scale, self.dtype, self.max_pages = float(scale), dtype, max_pages
+        if workspace is not None:
+            nbytes = workspace.numel() * workspace.element_size()
+        elif workspace_bytes is not None:
+            nbytes = workspace_bytes
+        else:
+            nbytes = mla_workspace_bytes(kv_lora_rank, facts.num_sms or MAX_SMS)
+        check: dict[str, Any] = dict(backend=backend, num_heads=num_heads,
+                                     num_queries=num_queries, batch_size=bs,
+                                     workspace_bytes=nbytes)
+        chosen = mla_backend(kv_lora_rank, rope_dim, dtype, facts, **check)
+        if chosen is None:
+            raise MLAUnsupportedError(
+                mla_unsupported_reason(kv_lora_rank, rope_dim, dtype, facts, **check))
+        self.backend = chosen
+        self.workspace = (workspace if workspace is not None
+                          else torch.empty(nbytes, dtype=torch.uint8, device=dev))
         i32 = dict(dtype=torch.int32, device=dev)
         # NOTE: fixed buffers: the captured kernels read the metadata from these addresses, and
         # every plan() rewrites them in place.
@@ -61,17 +406,21 @@ class FlashInferMLAPrefix:
         self.kv_indptr = torch.zeros(bs + 1, **i32)
         self.kv_indices = torch.zeros(bs * max_pages, **i32)
         self.kv_len = torch.zeros(bs, **i32)
-        self.workspace = torch.empty(workspace_bytes, dtype=torch.uint8, device=dev)
         self.wrapper = flashinfer.mla.BatchMLAPagedAttentionWrapper(
-            self.workspace, use_cuda_graph=True, qo_indptr=self.qo_indptr,
-            kv_indptr=self.kv_indptr, kv_indices=self.kv_indices, kv_len_arr=self.kv_len,
-            backend=backend)
+            float_workspace_buffer=self.workspace, use_cuda_graph=True,
+            qo_indptr=self.qo_indptr, kv_indptr=self.kv_indptr, kv_indices=self.kv_indices,
+            kv_len_arr=self.kv_len, backend=chosen)
 
     def plan(self, page_table: Tensor, cache_len: Tensor) -> None:
-        """Host side, outside any graph: `page_table [bs, W]` and `cache_len [bs]` (read on the
-        host; pass CPU tensors to avoid a device sync)."""
-        pt = page_table.detach().to("cpu", torch.int64)
-        n = cache_len.detach().to("cpu", torch.int64).clamp(min=1)
+        """Host side, outside any graph: the host copies of `page_table [bs, W]` and
+        `cache_len [bs]`. Everything handed to flashinfer is a host int32 tensor, so planning
+        reads no device memory (flashinfer copies the metadata into the fixed device buffers)."""
+        if page_table.device.type != "cpu" or cache_len.device.type != "cpu":
+            raise ValueError("FlashInferMLAPrefix.plan wants the host copies of the page table "
+                             f"and context lengths, got {page_table.device} and "
+                             f"{cache_len.device} (a device tensor costs a sync per step)")
+        pt = page_table.detach().to(torch.int64)
+        n = cache_len.detach().to(torch.int64).clamp(min=1)
         ps = self.page_size
         pages = (n + ps - 1) // ps
         if int(pages.max()) > pt.shape[1]:
@@ -80,10 +429,14 @@ class FlashInferMLAPrefix:
         kv_indptr = torch.zeros(self.bs + 1, dtype=torch.int32)
         kv_indptr[1:] = pages.cumsum(0).to(torch.int32)
         cols = torch.arange(pt.shape[1])[None, :] < pages[:, None]
-        indices = pt[cols].to(torch.int32)  # row-major: each request's pages in order
+        indices = pt[cols].to(torch.int32).contiguous()  # row-major: each request's pages
         self.wrapper.plan(
-            self._qo_indptr_host, kv_indptr, indices, n.to(torch.int32), self.num_heads,
-            self.kv_lora_rank, self.rope_dim, ps, False, self.scale, self.dtype, self.dtype)
+            metadata=self._metadata.csr(qo_indptr=self._qo_indptr_host, kv_indptr=kv_indptr,
+                                        kv_indices=indices, kv_len_arr=n.to(torch.int32)),
+            num_heads=int(self.num_heads), head_dim_ckv=int(self.kv_lora_rank),
+            head_dim_kpe=int(self.rope_dim), page_size=int(ps), causal=False,
+            sm_scale=self.scale, q_data_type=self.dtype, kv_data_type=self.dtype,
+            query_layout="split", kv_cache_layout="split", lse_mode="basee")
 
     def __call__(self, q_lat: Tensor, q_pe: Tensor, kv_cache: Tensor, ctx_len: Tensor
                  ) -> tuple[Tensor, Tensor]:
@@ -96,9 +449,10 @@ class FlashInferMLAPrefix:
         ckv, kpe = pages[..., :R], pages[..., R:]  # strided views: the kernel takes strides
         qn = q_lat.reshape(bs * Q, H, R).to(self.dtype).contiguous()
         qp = q_pe.reshape(bs * Q, H, P).to(self.dtype).contiguous()
-        o, lse = self.wrapper.run(qn, qp, ckv, kpe, return_lse=True)
+        o, lse = self.wrapper.run(query=(qn, qp), kv_cache=(ckv, kpe), return_lse=True,
+                                  return_lse_base_on_e=True)
         o = o.view(bs, Q, H, R).float()
-        lse = lse.view(bs, Q, H) * LN2  # flashinfer's LSE is base 2
+        lse = lse.view(bs, Q, H)
         has = (ctx_len > 0)[:, None, None]
         return (torch.where(has[..., None], o, 0.0),
                 torch.where(has, lse, float("-inf")))
@@ -118,7 +472,7 @@ def merge_states_flashinfer(o1: Tensor, lse1: Tensor, o2: Tensor, lse2: Tensor) 
     return v.view(*lead, H, D)
 
 
-def prefix_planner(backends: dict[int, FlashInferMLAPrefix]):
+def prefix_planner(backends: dict[int, FlashInferMLAPrefix]) -> Callable[[Tensor, Tensor], None]:
     """A step runner's planner: before each step (and each capture), plan the backend of the
     step's batch size from the host copies of the page table `[bs, W]` and context lengths
     `[bs]` the step is about to read."""
@@ -127,3 +481,4 @@ def prefix_planner(backends: dict[int, FlashInferMLAPrefix]):
         backends[page_table.shape[0]].plan(page_table, cache_len)
 
     return plan
+
