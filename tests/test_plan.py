@@ -1,0 +1,65 @@
+"""graphs.plan on the real configs, no GPU: weight bytes per rank as stored, whether a GPU holds
+them with room for KV, and a step's cost at Kimi's sizes that follows the live work."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from graphs import plan
+
+CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+
+
+def _plan(tmp_path: Path, *args: str) -> dict:
+    out = tmp_path / "plan.json"
+    assert plan.main([*args, "--json", str(out)]) == 0
+    return json.loads(out.read_text())
+
+
+def test_kimi_k25_fits_an_h200_at_tp8(tmp_path, capsys):
+    r = _plan(tmp_path, "--model", str(CONFIGS / "kimi-k2.5-text"), "--tp", "8")
+    # 594 GB as stored over 8 ranks, less what every rank holds whole: about 76 GB
+    assert r["weight_bytes_per_rank"] == pytest.approx(76e9, rel=0.03)
+    assert r["weight_bytes_by_kind"]["int4_experts"] > 0.9 * r["weight_bytes_per_rank"]
+    assert r["kv_bytes_per_token"] == 61 * 576 * 2
+    assert r["fits"] is True and r["kv_tokens"] > 262144
+    assert "fits               yes" in capsys.readouterr().out
+
+
+def test_kimi_k2_fp8_at_tp8_says_how_little_kv_room_is_left(tmp_path, capsys):
+    r = _plan(tmp_path, "--model", str(CONFIGS / "kimi-k2-instruct"), "--tp", "8",
+              "--gpu-memory", "141GB")
+    assert r["weight_bytes_per_rank"] == pytest.approx(129e9, rel=0.03)
+    assert r["weight_bytes_by_kind"]["fp8"] > 0.9 * r["weight_bytes_per_rank"]
+    assert 0 < r["kv_room_bytes"] < 12e9 and r["fits"] is False
+    assert "lower --max-model-len, or raise --tp" in r["knob"]
+    assert "KV room" in capsys.readouterr().out
+    r16 = _plan(tmp_path, "--model", str(CONFIGS / "kimi-k2-instruct"), "--tp", "16")
+    assert r16["fits"] is True and r16["weight_bytes_per_rank"] < 0.55 * r["weight_bytes_per_rank"]
+
+
+def test_step_cost_follows_the_live_work(tmp_path):
+    """Batch 1, budget 16, 4096 tokens of context at K2.5's sizes on 8 ranks: the step reads at
+    most 1.5x what its 17 tokens need (this rank's non-expert weights, at most 17 x top-k
+    distinct experts per MoE layer as stored, the live KV), the same whatever the context
+    limit; the block padding shows in executed FLOPs, not in useful ones."""
+    args = ["--model", str(CONFIGS / "kimi-k2.5-text"), "--tp", "8", "--cost", "--batch-sizes",
+            "1", "--budgets", "16", "--context", "4096"]
+    short = _plan(tmp_path, *args, "--max-model-len", "8192")
+    long = _plan(tmp_path, *args, "--max-model-len", "262144")
+    tree = {r["mode"]: r for r in long["rows"]}["tree"]
+    assert tree["budget"] == 16 and tree["batch_size"] == 1
+    kinds = long["weight_bytes_by_kind"]
+    non_expert = long["weight_bytes_per_rank"] - kinds["int4_experts"]
+    experts = 60 * min(384, 17 * 8) * kinds["int4_experts"] / (60 * 384)
+    need = non_expert + experts + 4096 * long["kv_bytes_per_token"]
+    assert need <= tree["bytes"] <= 1.5 * need
+    for a, b in zip(short["rows"], long["rows"]):
+        assert a["bytes"] == pytest.approx(b["bytes"], rel=0.05)
+    assert tree["executed_flops"] > tree["flops"] > 0
+    assert tree["allreduce_bytes"] == 2 * 61 * 17 * 7168 * 2 + 17 * 7168 * 2  # + embedding
+    ar = {r["mode"]: r for r in long["rows"]}["ar"]
+    assert ar["bytes"] < tree["bytes"] and tree["speedup"]["H200"] > 0
