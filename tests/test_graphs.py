@@ -304,3 +304,25 @@ def test_paged_attention_and_aligned_experts_keep_greedy_output(tmp_path, monkey
     assert llm.models.attention == "paged"
     got = llm.generate(prompts, params)
     assert [o.token_ids for o in got] == [o.token_ids for o in ref]
+
+
+@pytest.mark.parametrize("quant", ["int4", "fp8"])
+def test_step_with_quantized_weights_runs_on_fake_tensors(tmp_path, monkeypatch, quant):
+    """INT4 expert banks (kimi::moe_experts_w4a16 over aligned blocks) and FP8 linears and
+    banks (kimi::fp8_linear, per-call dequantization) keep the step graph-safe."""
+    import engine.models.kimi as kimi
+    from engine.tools.make_draft import make_draft
+    from engine.tools.make_tiny import make_tiny
+
+    t = make_tiny(tmp_path / "t", dtype="fp32", int4_experts=quant == "int4",
+                  fp8=quant == "fp8", moe_intermediate_size=128)
+    d = make_draft(t, tmp_path / "d", layers=1, block_size=BLOCK)
+    models = load_models(t, d)
+    bank = models.target.model.layers[1].mlp.experts
+    assert bank.fmt == quant
+    monkeypatch.setattr(kimi, "dense_is_cheaper", lambda *a: False)
+    monkeypatch.setattr(models, "attention", "paged")
+    for sample in (False, True):
+        shape = StepShape("tree", 6, BLOCK, sample)
+        pool, buf = _fake_inputs(models, shape)
+        run_on_fake(spec_step, models, pool, buf, shape)
