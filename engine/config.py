@@ -26,6 +26,7 @@ DType = Literal["auto", "float32", "fp32", "bfloat16", "bf16", "float16", "fp16"
 DTYPE_NAMES = typing.get_args(DType)[1:]
 
 TARGET_MODEL_TYPES = ("kimi_k2", "deepseek_v3")
+KIMI_VOCAB = 163840
 WRAPPED_MODEL_TYPES = ("kimi_k25",)
 
 
@@ -46,7 +47,9 @@ def _rope_fields(d: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     """Accept both `rope_scaling`/`type` and `rope_parameters`/`rope_type` spellings.
 
     Returns (rope_theta, scaling) where scaling is None for plain RoPE, else a dict with
-    `type` ("yarn" or "linear"), `factor` and the yarn fields.
+    `type` ("yarn" or "linear"), `factor` and the yarn fields. vLLM's `deepseek_yarn` is YaRN
+    whose cos/sin amplitude is `m(f, mscale) / m(f, mscale_all_dim)` with DeepSeek's defaults
+    (1 and 0): it becomes "yarn" with that `attention_factor`.
     """
     theta = d.get("rope_theta")
     raw = d.get("rope_scaling") or d.get("rope_parameters")
@@ -55,6 +58,14 @@ def _rope_fields(d: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
         theta = raw.pop("rope_theta", theta)
         kind = raw.pop("type", None) or raw.pop("rope_type", None) or "default"
         raw.pop("rope_type", None)
+        if kind == "deepseek_yarn":
+            # NOTE: imported here so that reading configs needs no torch.
+            from ops.rope import yarn_m
+
+            f = float(raw.get("factor") or 1)
+            raw.setdefault("attention_factor", yarn_m(f, float(raw.get("mscale") or 1))
+                           / yarn_m(f, float(raw.get("mscale_all_dim") or 0)))
+            kind = "yarn"
         if kind == "default":
             raw = None
         else:
@@ -287,6 +298,28 @@ class ModelConfig:
         return True
 
 
+def _math_changing_fields(d: dict[str, Any]) -> list[str]:
+    """Fields of a Qwen3-style drafter config that would change what the layers compute in
+    ways this engine does not implement (so loading must refuse rather than compute wrongly)."""
+    bad = []
+    kinds = set(d.get("layer_types") or ())
+    if kinds - {"full_attention"}:
+        bad.append(f"layer_types {sorted(kinds - {'full_attention'})}")
+    if d.get("use_sliding_window") and d.get("sliding_window"):
+        bad.append(f"sliding_window {d['sliding_window']}")
+    for k in ("attn_logit_softcapping", "final_logit_softcapping", "logits_scaling",
+              "output_multiplier", "residual_multiplier", "embedding_multiplier",
+              "attention_multiplier"):
+        if d.get(k) not in (None, 1, 1.0):
+            bad.append(f"{k} {d[k]}")
+    for k in ("attention_bias", "mlp_bias"):
+        if d.get(k):
+            bad.append(k)
+    if d.get("hidden_act", "silu") != "silu":
+        bad.append(f"hidden_act {d['hidden_act']!r}")
+    return bad
+
+
 @dataclass(frozen=True)
 class DraftConfig:
     """A DFlash drafter (z-lab's layout), from its `config.json`."""
@@ -309,6 +342,19 @@ class DraftConfig:
     rope_amplitude: float | None = None
     source: str = ""
 
+    @property
+    def kimi_yarn_amplitude(self) -> float | None:
+        """The YaRN amplitude a Kimi drafter (Kimi's 163,840-token vocabulary, YaRN rope) runs
+        with unless told otherwise: `1 + 0.1 ln(factor)` (1.4159 at factor 64), what public
+        ports of Kimi-K2.5-DFlash run and report as better than 1.0. None for other drafters
+        (their config's own YaRN amplitude applies)."""
+        s = self.rope_scaling
+        if self.vocab_size != KIMI_VOCAB or not s or s.get("type") != "yarn":
+            return None
+        from ops.rope import yarn_m  # NOTE: here, so reading configs needs no torch
+
+        return yarn_m(float(s.get("factor") or 1), 1.0)
+
     @classmethod
     def from_dir(cls, path: str | Path) -> DraftConfig:
         p = Path(path) / "config.json"
@@ -317,6 +363,10 @@ class DraftConfig:
     @classmethod
     def from_dict(cls, d: dict[str, Any], source: str = "draft config") -> DraftConfig:
         dc = d.get("dflash_config") or {}
+        unsupported = _math_changing_fields(d)
+        if unsupported:
+            raise ConfigError(f"{source}: fields that change the drafter's math and are not "
+                              f"supported: {', '.join(unsupported)}")
         try:
             theta, scaling = _rope_fields(d)
             nh = int(d["num_attention_heads"])
@@ -327,7 +377,7 @@ class DraftConfig:
                 num_key_value_heads=int(d.get("num_key_value_heads") or nh),
                 head_dim=int(d.get("head_dim") or d["hidden_size"] // nh),
                 intermediate_size=int(d["intermediate_size"]),
-                block_size=int(d["block_size"]),
+                block_size=int(dc.get("block_size") or d["block_size"]),
                 target_layer_ids=tuple(int(x) for x in dc["target_layer_ids"]),
                 mask_token_id=int(dc.get("mask_token_id", d.get("mask_token_id"))),
                 vocab_size=int(d.get("vocab_size") or 0),
@@ -424,6 +474,10 @@ class EngineConfig:
                             "constraints hold, else triton, on CUDA; torch on the CPU")
     tp: Annotated[int, Field(ge=1)] = Field(1, description="tensor-parallel ranks: run under "
                                                            "torchrun --nproc-per-node N")
+    draft_rope_amplitude: Annotated[float, Field(gt=0)] | None = Field(
+        None, description="the drafter's YaRN cos/sin amplitude (default: the drafter config's "
+                          "rope_amplitude, else 1 + 0.1 ln(factor) for Kimi drafters, else its "
+                          "YaRN fields')")
     tp_timeout: Annotated[float, Field(gt=0)] = Field(
         30.0, description="seconds without a heartbeat from a peer rank before exiting")
     # Not a flag: None lets the runner use CUDA graphs exactly when the device is CUDA.

@@ -65,7 +65,8 @@ def load_models(cfg: EngineConfig, device: torch.device, dtype: torch.dtype,
             f"Pass --draft DIR (`python -m engine.tools.make_draft --target DIR --out DIR`) or "
             f"use --mode ar.")
     target = KimiForCausalLM.from_dir(model, device, dtype, progress=progress, tp=tp)
-    drafter = (DFlashDrafter.from_dir(draft, target.cfg.hidden_size, device, dtype, tp=tp)
+    drafter = (DFlashDrafter.from_dir(draft, target.cfg.hidden_size, device, dtype, tp=tp,
+                                      rope_amplitude=cfg.draft_rope_amplitude)
                if cfg.mode != "ar" else None)
     return Models(target, drafter, tp=tp), model
 

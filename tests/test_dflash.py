@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from engine.config import DraftConfig
@@ -89,3 +90,83 @@ def test_rotary_frequencies_stay_fp32_in_a_bf16_model(tmp_path):
     assert drafter.inv_freq.dtype == torch.float32 and torch.equal(drafter.inv_freq, want)
     assert drafter.layers[0].self_attn.q_proj.weight.dtype == torch.bfloat16
     assert target.inv_freq.dtype == torch.float32
+
+
+def _kimi_drafter_dict(**changes):
+    import json
+    from pathlib import Path
+
+    d = json.loads((Path(__file__).resolve().parent.parent / "configs" / "kimi-k2.5-dflash" /
+                    "config.json").read_text())
+    d.update(changes)
+    return d
+
+
+def test_published_drafter_config_spellings_load():
+    """Kimi-K2.6-DFlash writes `rope_type: deepseek_yarn` (YaRN with amplitude m(f, mscale) /
+    m(f, mscale_all_dim), DeepSeek's defaults 1 and 0); newer z-lab drafters keep `block_size`
+    in `dflash_config` and list `layer_types`."""
+    import math
+
+    k26 = _kimi_drafter_dict(rope_scaling=None, rope_parameters={
+        "rope_type": "deepseek_yarn", "rope_theta": 50000.0, "factor": 64.0,
+        "original_max_position_embeddings": 4096, "beta_fast": 32.0, "beta_slow": 1.0})
+    c = DraftConfig.from_dict(k26)
+    assert c.rope_scaling["type"] == "yarn"
+    assert c.rope_scaling["attention_factor"] == pytest.approx(1 + 0.1 * math.log(64))
+    newer = _kimi_drafter_dict(layer_types=["full_attention"] * 6)
+    newer["dflash_config"] = {**newer["dflash_config"], "block_size": 16}
+    del newer["block_size"]
+    assert DraftConfig.from_dict(newer).block_size == 16
+
+
+@pytest.mark.parametrize("field,value", [
+    ("layer_types", ["full_attention", "sliding_attention"] * 3),
+    ("final_logit_softcapping", 30.0), ("attn_logit_softcapping", 50.0),
+    ("residual_multiplier", 0.22), ("logits_scaling", 8.0), ("attention_bias", True),
+    ("hidden_act", "gelu")])
+def test_math_changing_drafter_fields_are_refused_by_name(field, value):
+    from engine.config import ConfigError
+
+    with pytest.raises(ConfigError, match=f"d.json: fields that change .* {field}"):
+        DraftConfig.from_dict(_kimi_drafter_dict(**{field: value}), source="d.json")
+
+
+def test_kimi_drafters_run_yarn_at_the_ports_amplitude_unless_told():
+    """A Kimi drafter whose YaRN fields imply amplitude 1.0 runs 1 + 0.1 ln(64) = 1.4159 (the
+    public ports' choice); its config's `rope_amplitude`, or the engine's override, wins."""
+    import math
+    from dataclasses import replace
+
+    c = DraftConfig.from_dict(_kimi_drafter_dict(rope_scaling={
+        "type": "yarn", "factor": 64.0, "original_max_position_embeddings": 4096,
+        "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}))
+    with torch.device("meta"):
+        assert DFlashDrafter(c, 7168).rope_amplitude == pytest.approx(1 + 0.1 * math.log(64))
+        assert DFlashDrafter(replace(c, rope_amplitude=1.0), 7168).rope_amplitude == 1.0
+        small = DFlashDrafter(replace(c, vocab_size=1024), 7168)  # not a Kimi drafter
+    assert small.rope_amplitude == 1.0  # its YaRN fields' own ratio, m(64, 1) / m(64, 1)
+
+
+def test_draft_rope_amplitude_override_reaches_the_drafter(tmp_path):
+    from engine import LLM
+    from engine.tools.make_draft import make_draft
+
+    t = make_tiny(tmp_path / "t", dtype="fp32")
+    d = make_draft(t, tmp_path / "d")
+    llm = LLM(t, d, draft_rope_amplitude=1.25, progress=False, max_model_len=64)
+    assert llm.models.drafter.rope_amplitude == 1.25
+
+
+def test_latent_norms_take_the_configs_epsilon():
+    from pathlib import Path
+
+    from engine.config import ModelConfig
+    from engine.models.kimi import KimiForCausalLM
+
+    k25 = ModelConfig.from_dir(Path(__file__).resolve().parent.parent / "configs" /
+                               "kimi-k2.5-text")
+    assert k25.rms_norm_eps == 1e-5
+    with torch.device("meta"):
+        attn = KimiForCausalLM(k25).model.layers[0].self_attn
+    assert attn.q_a_layernorm.eps == attn.kv_a_layernorm.eps == 1e-5

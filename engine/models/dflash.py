@@ -129,7 +129,8 @@ class DFlashDrafter(nn.Module):
         inv_freq, amp = rope_frequencies(c.head_dim, c.rope_theta, c.rope_scaling,
                                          c.max_position_embeddings)
         self.inv_freq = inv_freq.to(self.inv_freq.device)
-        self.rope_amplitude = c.rope_amplitude if c.rope_amplitude is not None else amp
+        self.rope_amplitude = next(a for a in (c.rope_amplitude, c.kimi_yarn_amplitude, amp)
+                                   if a is not None)
 
     @property
     def kv_dim(self) -> int:
@@ -138,9 +139,13 @@ class DFlashDrafter(nn.Module):
 
     @classmethod
     def from_dir(cls, path: str | Path, target_hidden: int, device: str | torch.device = "cpu",
-                 dtype: torch.dtype = torch.float32, tp: Group | None = None) -> DFlashDrafter:
-        """With `tp`, this rank's shard (or the whole drafter where it does not split)."""
+                 dtype: torch.dtype = torch.float32, tp: Group | None = None,
+                 rope_amplitude: float | None = None) -> DFlashDrafter:
+        """With `tp`, this rank's shard (or the whole drafter where it does not split);
+        `rope_amplitude` overrides the YaRN cos/sin amplitude."""
         c = DraftConfig.from_dir(path)
+        if rope_amplitude is not None:
+            c = replace(c, rope_amplitude=rope_amplitude)
         with torch.device("meta"):
             model = cls(c, target_hidden, tp)
         model.to_empty(device=device)

@@ -109,12 +109,14 @@ class MLA(nn.Module):
         f8 = cfg.fp8_block
         if cfg.q_lora_rank:
             self.q_a_proj = linear(H, cfg.q_lora_rank, fp8=f8)
-            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, 1e-6)
+            # NOTE: the config's epsilon, as vLLM and SGLang use (transformers hard-codes 1e-6
+            # for the two latent norms; the models the parity tests build use 1e-6 throughout).
+            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
             self.q_b_proj = linear(cfg.q_lora_rank, nh * cfg.qk_head_dim, tp, 0, fp8=f8)
         else:
             self.q_proj = linear(H, nh * cfg.qk_head_dim, tp, 0, fp8=f8)
         self.kv_a_proj_with_mqa = linear(H, cfg.kv_cache_dim, fp8=f8)
-        self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, 1e-6)
+        self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, cfg.rms_norm_eps)
         self.kv_b_proj = linear(cfg.kv_lora_rank, nh * (cfg.qk_nope_head_dim + cfg.v_head_dim),
                                 tp, 0, fp8=f8)
         self.o_proj = linear(nh * cfg.v_head_dim, H, tp, 1, fp8=f8)
