@@ -44,13 +44,22 @@ from collections.abc import Mapping, Sequence
 from datetime import datetime
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Annotated, Any, Literal, Protocol
 
 import jinja2
 import jinja2.ext
 import jinja2.nodes
 import jinja2.utils
 from jinja2.sandbox import ImmutableSandboxedEnvironment
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    TypeAdapter,
+    ValidationError,
+    model_validator,
+)
 
 CONFIG_FILE = "tokenizer_config.json"
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
@@ -81,7 +90,6 @@ _RESERVED_KWARGS = frozenset({"messages", "tools", "documents", "add_generation_
 _NAMED_TOKEN_KEYS = (
     "bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token",
 )
-_ROLES = ("system", "user", "assistant", "tool")
 
 # The engine's rendering of Kimi's documented chat format, for checkpoints without a template:
 # - a first turn `<|im_system|>tool_declare<|im_middle|>{tools as compact JSON}<|im_end|>` when
@@ -395,74 +403,60 @@ def sort_keys_deep(obj: Any) -> Any:
 # ---------------------------------------------------------------- validation
 
 
-def _check_text_content(content: object, where: str) -> None:
-    if isinstance(content, str):
-        return
-    if not isinstance(content, list):
-        raise TokenizerError(f"{where} must be a string or a list of text parts")
-    for j, part in enumerate(content):
-        pwhere = f"{where}[{j}]"
-        if not isinstance(part, Mapping) or part.get("type") != "text":
-            raise TokenizerError(f"{pwhere} must be {{'type': 'text', 'text': str}}")
-        if not isinstance(part.get("text"), str):
-            raise TokenizerError(f"{pwhere}['text'] must be a string")
+class _Open(BaseModel):  # keys beyond the declared ones reach the template as given
+    model_config = ConfigDict(extra="allow", strict=True)
 
 
-def _check_tool_calls(calls: object, where: str) -> None:
-    if not isinstance(calls, list):
-        raise TokenizerError(f"{where} must be a list")
-    for j, call in enumerate(calls):
-        cwhere = f"{where}[{j}]"
-        if not isinstance(call, Mapping):
-            raise TokenizerError(f"{cwhere} must be a dict")
-        if call.get("id") is not None and not isinstance(call["id"], str):
-            raise TokenizerError(f"{cwhere}['id'] must be a string")
-        fn = call.get("function")
-        if not isinstance(fn, Mapping):
-            raise TokenizerError(f"{cwhere}['function'] must be a dict")
-        if not isinstance(fn.get("name"), str) or not fn["name"]:
-            raise TokenizerError(f"{cwhere}['function']['name'] must be a non-empty string")
-        if not isinstance(fn.get("arguments"), str | Mapping):
-            raise TokenizerError(f"{cwhere}['function']['arguments'] must be a string or a dict")
+class TextPart(_Open):
+    type: Literal["text"]
+    text: str
 
 
-def validate_messages(messages: object) -> None:
-    """Checks the shape of an OpenAI-style conversation; errors name the offending field."""
-    if not isinstance(messages, list) or not messages:
-        raise TokenizerError("messages must be a non-empty list")
-    for i, msg in enumerate(messages):
-        where = f"messages[{i}]"
-        if not isinstance(msg, Mapping):
-            raise TokenizerError(f"{where} must be a dict, got {type(msg).__name__}")
-        role = msg.get("role")
-        if not isinstance(role, str):
-            raise TokenizerError(f"{where}['role'] must be a string")
-        if role not in _ROLES:
-            raise TokenizerError(f"{where}['role'] is {role!r}; expected one of {sorted(_ROLES)}")
-        calls = msg.get("tool_calls")
-        if calls is not None:
-            if role != "assistant":
-                raise TokenizerError(f"{where}['tool_calls'] is only allowed on assistant messages")
-            _check_tool_calls(calls, f"{where}['tool_calls']")
-        if "content" not in msg and not calls:
-            raise TokenizerError(f"{where}['content'] is missing")
-        content = msg.get("content")
-        if content is not None or not calls:
-            _check_text_content(content, f"{where}['content']")
-        for key in ("name", "tool_call_id", "reasoning_content"):
-            if msg.get(key) is not None and not isinstance(msg[key], str):
-                raise TokenizerError(f"{where}['{key}'] must be a string")
+class CalledFunction(_Open):
+    name: Annotated[str, Field(min_length=1)]
+    arguments: str | dict[str, Any]
 
 
-def validate_tools(tools: object) -> None:
-    """Checks that `tools` is None or a list of dicts (OpenAI function definitions)."""
-    if tools is None:
-        return
-    if not isinstance(tools, list):
-        raise TokenizerError("tools must be a list")
-    for i, tool in enumerate(tools):
-        if not isinstance(tool, Mapping):
-            raise TokenizerError(f"tools[{i}] must be a dict")
+class ToolCall(_Open):
+    id: str | None = None
+    function: CalledFunction
+
+
+class Message(_Open):
+    """One message of an OpenAI-style conversation, as far as the renderer relies on it."""
+
+    role: Literal["system", "user", "assistant", "tool"]
+    # NOTE: a string checks as one text part, so a bad value gets one error, not one per type
+    content: Annotated[list[TextPart] | None, BeforeValidator(
+        lambda v: [{"type": "text", "text": v}] if isinstance(v, str) else v)] = None
+    tool_calls: list[ToolCall] | None = None
+    name: str | None = None
+    tool_call_id: str | None = None
+    reasoning_content: str | None = None
+
+    @model_validator(mode="after")
+    def _content_or_calls(self) -> Message:
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError("tool_calls are only allowed on assistant messages")
+        if self.content is None and not self.tool_calls:
+            raise ValueError("content (a string or a list of text parts) is required "
+                             "unless the message has tool_calls")
+        return self
+
+
+Messages = Annotated[list[Message], Field(min_length=1)]
+_CHECK = TypeAdapter(tuple[Messages, list[dict[str, Any]] | None])
+
+
+def validate_messages(messages: object, tools: object = None) -> None:
+    """Checks the shape of an OpenAI-style conversation and its tools; the error names the
+    offending field (`messages.0.role: ...`)."""
+    try:
+        _CHECK.validate_python((messages, tools), strict=True)
+    except ValidationError as e:
+        err = e.errors()[0]
+        where = ".".join(map(str, (("messages", "tools")[err["loc"][0]], *err["loc"][1:])))
+        raise TokenizerError(f"{where}: {err['msg'].removeprefix('Value error, ')}") from e
 
 
 # ---------------------------------------------------------------- marking and encoding
@@ -510,8 +504,7 @@ class ChatRenderer:
     def _inputs(
         self, messages: object, tools: object, template_kwargs: Mapping[str, Any]
     ) -> tuple[str, Any, Any, dict[str, Any]]:
-        validate_messages(messages)
-        validate_tools(tools)
+        validate_messages(messages, tools)
         clash = _RESERVED_KWARGS & set(template_kwargs)
         if clash:
             raise TokenizerError(f"template kwargs {sorted(clash)} are set by the renderer")

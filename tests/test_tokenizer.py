@@ -444,15 +444,15 @@ def test_chat_template_default_system_and_options(tok: Tokenizer) -> None:
 @pytest.mark.parametrize(
     ("messages", "match"),
     [
-        ([], "non-empty list"),
-        ("hello", "non-empty list"),
-        ([{"role": "user", "content": "x"}, "oops"], r"messages\[1\] must be a dict"),
-        ([{"content": "x"}], r"messages\[0\]\['role'\] must be a string"),
-        ([{"role": "bot", "content": "x"}], r"messages\[0\]\['role'\] is 'bot'"),
-        ([{"role": "user"}], r"messages\[0\]\['content'\] is missing"),
-        ([{"role": "user", "content": None}], r"messages\[0\]\['content'\] must be"),
-        ([{"role": "user", "content": [{"type": "image"}]}], r"\['content'\]\[0\] must be"),
-        ([{"role": "user", "content": [{"type": "text", "text": 3}]}], r"\[0\]\['text'\]"),
+        ([], "messages: List should have at least 1 item"),
+        ("hello", "messages: Input should be a valid list"),
+        ([{"role": "user", "content": "x"}, "oops"], r"messages\.1: Input should be a valid dict"),
+        ([{"content": "x"}], r"messages\.0\.role: Field required"),
+        ([{"role": "bot", "content": "x"}], r"messages\.0\.role: Input should be 'system'"),
+        ([{"role": "user"}], r"messages\.0: content .* is required"),
+        ([{"role": "user", "content": None}], r"messages\.0: content .* is required"),
+        ([{"role": "user", "content": [{"type": "image"}]}], r"content\.0\.type: Input should be"),
+        ([{"role": "user", "content": [{"type": "text", "text": 3}]}], r"content\.0\.text: Input"),
     ],
 )
 def test_bad_messages(tok: Tokenizer, messages: object, match: str) -> None:

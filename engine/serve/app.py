@@ -198,24 +198,27 @@ def build_app(llm: LLM, served_model_name: str, max_queue: int = 256) -> FastAPI
         head = dict(id=f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", object=kind,
                     created=int(time.time()), model=srv.name)
 
-        def usage(n: int) -> api.Usage:
-            return api.Usage(prompt_tokens=len(ids), completion_tokens=n, total_tokens=len(ids) + n)
-
-        def obj(choices: list[Any], usage: api.Usage | None = None) -> dict[str, Any]:
-            return api.Response(**head, choices=choices, usage=usage).model_dump(
-                exclude=None if usage or body.include_usage or not body.stream else {"usage"})
+        def obj(choices: list[Any], n: int | None = None) -> dict[str, Any]:
+            """A response or chunk; `usage` once known (null in earlier chunks, when asked)."""
+            out = {**head, "choices": choices}
+            if n is not None or body.include_usage:
+                out["usage"] = None if n is None else {
+                    "prompt_tokens": len(ids), "completion_tokens": n, "total_tokens": len(ids) + n}
+            return out
 
         def choice(fields: dict[str, Any], reason: str | None, role: str | None = None) -> Any:
+            c = {"index": 0, "logprobs": None, "finish_reason": reason}
             if not chat:
-                return api.CompletionChoice(text=fields.get("content") or "", finish_reason=reason)
-            msg = api.Message(role=role, **fields)
-            return (api.ChunkChoice(delta=msg, finish_reason=reason) if body.stream
-                    else api.ChatChoice(message=msg, finish_reason=reason))
+                return {**c, "text": fields.get("content") or ""}
+            # role and content always; reasoning and tool calls only when the model made some
+            set_ = {k: v for k, v in fields.items() if v is not None}
+            msg = {"role": role, "content": None, **set_}
+            return {**c, "delta" if body.stream else "message": msg}
 
         if not body.stream:
             *_, (_, reason, n) = [p async for p in srv.text(h, http, out)]
             fields = out.result().to_openai() if out else {}
-            return JSONResponse(obj([choice(fields, reason, "assistant")], usage(n)))
+            return JSONResponse(obj([choice(fields, reason, "assistant")], n))
 
         async def events() -> AsyncIterator[str]:
             try:
@@ -227,7 +230,7 @@ def build_app(llm: LLM, served_model_name: str, max_queue: int = 256) -> FastAPI
                     if reason is not None:
                         yield _sse(obj([choice({}, reason)]))
                         if body.include_usage:
-                            yield _sse(obj([], usage(n)))
+                            yield _sse(obj([], n))
                 yield "data: [DONE]\n\n"
             except HTTPException as e:
                 yield _sse(e.detail)

@@ -1,5 +1,5 @@
 """The OpenAI API's bodies as pydantic models: requests with every range and rule declared on
-the fields (sampling fields reuse `engine.config`'s types), responses, and the error body.
+the fields (sampling fields reuse `engine.config`'s types), and the error body.
 Request defaults follow OpenAI's (`temperature` 1.0); extensions: `top_k` (-1 off), `ignore_eos`
 and vLLM's `chat_template_kwargs` and `reasoning_content`; parameters the engine does not
 implement are accepted at their neutral values."""
@@ -8,11 +8,10 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, TypeVar
 
-import pydantic
 from fastapi import HTTPException
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
-from engine.config import SamplingParams, Seed, StopString, Temperature, TopK, TopP
+from engine.config import SamplingParams, Seed, StopString, Temperature, TopK, TopP, error_text
 
 MAX_BODY_BYTES = 16 << 20
 Positive = Annotated[int, Field(ge=1)]
@@ -36,37 +35,22 @@ def bad(param: str | None, message: str, code: str = "invalid_value") -> HTTPExc
 
 def parse(raw: bytes, model: type[BodyT]) -> BodyT:
     """A JSON body as `model` whatever the Content-Type said (curl -d sends a form type); a
-    pydantic error becomes a 400 naming the field (unknown fields first: a misspelt name usually
-    explains the rest)."""
+    pydantic error becomes a 400 naming the field (`engine.config.error_text`)."""
     if len(raw) > MAX_BODY_BYTES:
         raise error(413, f"the request body has {len(raw)} bytes; the limit is {MAX_BODY_BYTES}",
                     None, "request_too_large")
     try:
         return model.model_validate_json(raw)
     except ValidationError as e:
-        errs = e.errors()
-    err = next((x for x in errs if x["type"] == "extra_forbidden"), errs[0])
-    loc, kind, msg = [str(x) for x in err["loc"]], err["type"], err["msg"]
-    if kind == "json_invalid":
-        raise bad(None, f"the body is not valid JSON: {msg}", "invalid_json")
-    if not loc:
-        raise bad(None, f"the body must be a JSON object: {msg}", "invalid_type")
-    if kind == "extra_forbidden":
-        extra = ", ".join(str(x["loc"][0]) for x in errs if x["type"] == kind)
-        raise bad(loc[0], f"Unrecognized request argument(s) supplied: {extra}",
-                  "unknown_parameter")
-    if kind == "missing":
-        raise bad(loc[0], f"{loc[0]} is required", "missing_required_parameter")
-    raise bad(loc[0], f"invalid value for '{'.'.join(loc)}': {msg.removeprefix('Value error, ')}")
+        err = next((x for x in e.errors() if x["type"] == "extra_forbidden"), e.errors()[0])
+        code = {"extra_forbidden": "unknown_parameter", "json_invalid": "invalid_json",
+                "missing": "missing_required_parameter"}.get(err["type"], "invalid_value")
+        raise bad(str(err["loc"][0]) if err["loc"] else None, error_text(e), code) from e
 
 
 class _Strict(BaseModel):
     # NOTE: strict, so "5" is not silently a max_tokens of 5 and true is not a temperature.
     model_config = ConfigDict(extra="forbid", strict=True)
-
-
-class _Open(BaseModel):  # keys beyond the declared ones reach the chat template as given
-    model_config = ConfigDict(extra="allow", strict=True)
 
 
 class StreamOptions(_Strict):
@@ -140,25 +124,6 @@ class NamedToolChoice(_Strict):
     function: FunctionName
 
 
-class CalledFunction(FunctionName):
-    arguments: str | dict[str, Any]
-
-
-class ToolCall(_Open):
-    id: str | None = None
-    type: Literal["function"] = "function"
-    function: CalledFunction
-
-
-class ChatMessage(_Open):
-    role: Literal["system", "user", "assistant", "tool"]
-    content: str | list[dict[str, Any]] | None = None
-    name: str | None = None
-    tool_calls: list[ToolCall] | None = None  # assistant
-    tool_call_id: str | None = None  # tool
-    reasoning_content: str | None = None  # assistant
-
-
 # Template variables: names other than the renderer's own parameters.
 TemplateKey = Annotated[str, Field(pattern=r"^(?!(?:self|messages|tools|documents|"
                                            r"add_generation_prompt)$)[A-Za-z_]\w*$")]
@@ -169,7 +134,8 @@ class ChatRequest(_Request):
     function is prompted like "auto" and only its calls are returned (no guided decoding)."""
 
     model_config = ConfigDict(regex_engine="python-re")  # TemplateKey looks ahead
-    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    # NOTE: the chat renderer checks the messages (engine.chat), the one place that knows them
+    messages: Annotated[list[dict[str, Any]], Field(min_length=1)]
     max_completion_tokens: Positive | None = None
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto"] | NamedToolChoice | None = None
@@ -186,8 +152,7 @@ class ChatRequest(_Request):
     def template_inputs(self) -> tuple[list[dict[str, Any]], dict[str, Any]]:
         """The messages and keyword arguments of `Tokenizer.apply_chat_template`."""
         tools = [t.model_dump(exclude_unset=True) for t in self.tools or []] or None
-        return ([m.model_dump(exclude_unset=True) for m in self.messages],
-                {"tools": tools, **(self.chat_template_kwargs or {})})
+        return self.messages, {"tools": tools, **(self.chat_template_kwargs or {})}
 
     def parsing(self) -> dict[str, Any]:
         """How to read the answer: options of `engine.toolcalls.OutputStream`."""
@@ -196,47 +161,3 @@ class ChatRequest(_Request):
                 "only": choice.function.name if isinstance(choice, NamedToolChoice) else None,
                 "reasoning": (self.chat_template_kwargs or {}).get("thinking") is not False}
 
-
-class Usage(BaseModel):
-    prompt_tokens: int
-    completion_tokens: int
-    total_tokens: int
-
-
-class Message(BaseModel):
-    role: Literal["assistant"] | None = "assistant"
-    content: str | None = None
-    reasoning_content: str | None = None
-    tool_calls: list[dict[str, Any]] | None = None
-
-    @pydantic.model_serializer(mode="wrap")
-    def _only_set(self, dump: pydantic.SerializerFunctionWrapHandler) -> dict[str, Any]:
-        """role and content always; reasoning and tool calls only when the model made some."""
-        return {k: v for k, v in dump(self).items() if v is not None or k in ("role", "content")}
-
-
-class Choice(BaseModel):
-    index: int = 0
-    logprobs: None = None
-    finish_reason: str | None = None
-
-
-class CompletionChoice(Choice):
-    text: str
-
-
-class ChatChoice(Choice):
-    message: Message
-
-
-class ChunkChoice(Choice):
-    delta: Message
-
-
-class Response(BaseModel):
-    id: str
-    object: str
-    created: int
-    model: str
-    choices: list[CompletionChoice | ChatChoice | ChunkChoice]
-    usage: Usage | None = None
