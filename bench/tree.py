@@ -2,9 +2,18 @@
 
     python -m bench.tree [--quick] [--bs 1 8 32] [--budgets 8 16 32 64] [--block-size 16]
                          [--vocab 4096] [--device cpu|cuda] [--threads 1] [--out runs/bench]
+                         [--probs-only | --no-probs] [--probs-vocab 3072 163840]
+                         [--probs-shape 8x17 1x17]
 
 Build times include the retrieval arrays and the attention mask, which the builder computes in the
 same pass. Ratios are heap reference time over device build time, measured side by side.
+
+The second table times `target_probs` (the decide phase's top-k / top-p) on `[bs, N, V]` logits:
+the full vocabulary sort (`bound=None`, the old path) against the bounded top-k path, both with the
+row counts an eager runner passes (`topk_rows` / `sort_rows` from `row_path`) and with every row
+(what a graph serving any mix runs). Mixes: top-k 50 + top-p 0.95 on every row; one top-p 0.95 row
+among greedy rows (peaked logits: the nucleus fits the bound; flat: it does not and that row takes
+the fallback sort); top-p 0.95 on every row.
 """
 
 from __future__ import annotations
@@ -15,7 +24,7 @@ from typing import Any
 import torch
 
 from bench.common import DEFAULT_OUT, environment, table, time_fn, write_results
-from ops.sampling import target_probs
+from ops.sampling import TOPK_BOUND, row_path, target_probs
 from ops.tree import build_ddtree, build_ddtree_reference
 from ops.verify import tree_greedy, tree_sample
 
@@ -56,6 +65,36 @@ def measure(bs: int, budget: int, args: argparse.Namespace, g: torch.Generator) 
     return row
 
 
+# name -> (logit scale: 6 is peaked, the nucleus fits the bound; 3 is flat, it does not at V =
+# 163,840), per-row (temperature, top_k, top_p) of row 0 and of the other rows.
+PROBS_MIXES: dict[str, tuple[float, tuple[float, int, float], tuple[float, int, float]]] = {
+    "k50-p95-all": (6.0, (0.8, 50, 0.95), (0.8, 50, 0.95)),
+    "p95-one-greedy": (6.0, (0.8, 0, 0.95), (1.0, 1, 1.0)),
+    "p95-one-flat-greedy": (3.0, (0.8, 0, 0.95), (1.0, 1, 1.0)),
+    "p95-all": (6.0, (0.8, 0, 0.95), (0.8, 0, 0.95)),
+}
+
+
+def measure_probs(vocab: int, bs: int, n: int, mix: str, args: argparse.Namespace,
+                  g: torch.Generator) -> dict[str, Any]:
+    """`target_probs` at `[bs, n, vocab]`: the full sort against the bounded path."""
+    dev = args.device
+    scale, first, rest = PROBS_MIXES[mix]
+    params = [first] + [rest] * (bs - 1)
+    logits = (torch.randn(bs, n, vocab, generator=g) * scale).to(dev)
+    temp, top_k, top_p = (torch.tensor(col, device=dev) for col in zip(*params))
+    paths = [row_path(k, p, vocab) for _, k, p in params]
+    counts = dict(topk_rows=sum(x in ("bounded", "sort") for x in paths),
+                  sort_rows=sum(x == "sort" for x in paths))
+    rep = dict(warmup=args.warmup, repeats=args.repeats, device=dev)
+    old = 1e3 * time_fn(lambda: target_probs(logits, temp, top_k, top_p, bound=None), **rep)
+    new = 1e3 * time_fn(lambda: target_probs(logits, temp, top_k, top_p, **counts), **rep)
+    every = 1e3 * time_fn(lambda: target_probs(logits, temp, top_k, top_p), **rep)
+    return {"vocab": vocab, "bs": bs, "nodes": n, "mix": mix, **counts, "sort_ms": old,
+            "bounded_ms": new, "bounded_all_ms": every, "ratio": old / new,
+            "ratio_all": old / every}
+
+
 def plot(rows: list[dict[str, Any]]):
     def draw(fig) -> None:
         left, right = fig.add_subplot(1, 2, 1), fig.add_subplot(1, 2, 2)
@@ -94,6 +133,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--quick", action="store_true", help="fewer repeats")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=str(DEFAULT_OUT))
+    probs = ap.add_mutually_exclusive_group()
+    probs.add_argument("--probs-only", action="store_true", help="only the target_probs table")
+    probs.add_argument("--no-probs", action="store_true", help="skip the target_probs table")
+    ap.add_argument("--probs-vocab", type=int, nargs="+", default=[3072, 163840])
+    ap.add_argument("--probs-shape", nargs="+", default=["8x17", "1x17"], help="bs x N")
+    ap.add_argument("--probs-mix", nargs="+", default=list(PROBS_MIXES), choices=list(PROBS_MIXES))
     args = ap.parse_args(argv)
     if args.quick:
         args.repeats, args.ref_repeats, args.warmup = 3, 1, 1
@@ -101,6 +146,25 @@ def main(argv: list[str] | None = None) -> None:
         torch.set_num_threads(args.threads)
 
     g = torch.Generator().manual_seed(args.seed)
+    env = environment(args.device)
+    payload: dict[str, Any] = {"benchmark": "tree", "args": vars(args), "environment": env}
+    if not args.no_probs:
+        shapes = [tuple(int(x) for x in s.lower().split("x")) for s in args.probs_shape]
+        probs_rows = [measure_probs(v, bs, n, mix, args, g) for v in args.probs_vocab
+                      for bs, n in shapes for mix in args.probs_mix]
+        print(f"target_probs: full sort vs bounded top-k (bound {TOPK_BOUND}) "
+              f"device={args.device} threads={env['threads']}")
+        print(table(probs_rows, [
+            ("vocab", "V", "d"), ("bs", "bs", "d"), ("nodes", "N", "d"), ("mix", "mix", "s"),
+            ("topk_rows", "topk rows", "d"), ("sort_rows", "sort rows", "d"),
+            ("sort_ms", "sort ms", ".2f"), ("bounded_ms", "bounded ms", ".2f"),
+            ("ratio", "sort/bounded", ".1f"), ("bounded_all_ms", "all-rows ms", ".2f"),
+            ("ratio_all", "sort/all-rows", ".1f"),
+        ]))
+        payload["probs_rows"] = probs_rows
+    if args.probs_only:
+        write_results("tree_probs", payload, None, args.out)
+        return
     rows = [measure(bs, k, args, g) for bs in args.bs for k in args.budgets]
     columns = [
         ("bs", "bs", "d"),
@@ -113,10 +177,9 @@ def main(argv: list[str] | None = None) -> None:
         ("greedy_ms", "greedy ms", ".3f"),
         ("sample_over_greedy", "sample/greedy", ".2f"),
     ]
-    env = environment(args.device)
     print(f"L={args.block_size - 1} V={args.vocab} device={args.device} threads={env['threads']}")
     print(table(rows, columns))
-    payload = {"benchmark": "tree", "args": vars(args), "environment": env, "rows": rows}
+    payload["rows"] = rows
     write_results("tree", payload, plot(rows), args.out)
 
 

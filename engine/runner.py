@@ -25,7 +25,7 @@ from engine.config import SamplingParams
 from engine.kv_cache import DUMMY_PAGE, KVPool
 from engine.policy import budgets_for_sizes
 from engine.spec import PADDING, Models, StepBuffers, StepShape, prefill, spec_step
-from ops.sampling import sample_from_probs, target_probs
+from ops.sampling import row_path, sample_from_probs, target_probs
 
 # Called before every step and every capture, outside the graph, with the host copies of the
 # page table `[bs, W]` and context lengths `[bs]` the step is about to read (a kernel backend
@@ -241,10 +241,12 @@ class StepGraphRunner:
             return None
         if p.greedy:
             return int(logits[0, -1].argmax())
-        dev = logits.device
+        dev, path = logits.device, row_path(max(p.top_k, 0), p.top_p, logits.shape[-1])
         probs = target_probs(logits[:, -1], torch.tensor([float(p.temperature)], device=dev),
                              torch.tensor([max(p.top_k, 0)], device=dev),
-                             torch.tensor([float(p.top_p)], device=dev))
+                             torch.tensor([float(p.top_p)], device=dev),
+                             topk_rows=int(path in ("bounded", "sort")),
+                             sort_rows=int(path == "sort"))
         return int(sample_from_probs(probs, torch.tensor([inp.coin], device=dev))[0])
 
     def load(self, inp: StepInputs, pad: bool = True) -> tuple[StepBuffers, StepShape, int]:
@@ -258,8 +260,14 @@ class StepGraphRunner:
         buf = self.buffers[size].rows(bp)
         shape = self.shapes[(size, any(not p.greedy for p in inp.params))]
         if shape.sample and not self.use_graphs:
-            # Eager: sort the vocabulary only when some row truncates it.
-            shape = replace(shape, filtered=any(p.truncates for p in inp.params))
+            # Eager: truncate only the rows that ask for it, and sort the vocabulary only for
+            # rows whose cut may not fit in a bounded top-k.
+            vocab = self.models.target.cfg.vocab_size
+            paths = [row_path(1 if p.greedy else max(p.top_k, 0), 1.0 if p.greedy else p.top_p,
+                              vocab) for p in inp.params]
+            shape = replace(shape, filtered=any(p.truncates for p in inp.params),
+                            topk_rows=sum(x in ("bounded", "sort") for x in paths),
+                            sort_rows=sum(x == "sort" for x in paths))
         width = self.max_pages
         if not self.use_graphs:
             # Eager: gather only as much context as this batch has (a graph needs the full

@@ -39,6 +39,10 @@ class StepShape:
     # Some row may use top-k/top-p (sampling only). False skips the vocabulary sort; a captured
     # sampling graph keeps True, which serves every mix of rows.
     filtered: bool = True
+    # Rows that truncate and rows that may need the full vocabulary sort (counts from
+    # `ops.sampling.row_path`, eager only); None: every row, which a captured graph needs.
+    topk_rows: int | None = None
+    sort_rows: int | None = None
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -231,7 +235,8 @@ def decide(logits: Tensor, tree: DDTree, buf: StepBuffers, shape: StepShape) -> 
     if not shape.sample:
         return tree_greedy(tree.tokens, tree.next_token, tree.next_sibling, logits.argmax(-1),
                            max_accept=L)
-    probs = target_probs(logits, buf.temperature, buf.top_k, buf.top_p, shape.filtered)
+    probs = target_probs(logits, buf.temperature, buf.top_k, buf.top_p, shape.filtered,
+                         topk_rows=shape.topk_rows, sort_rows=shape.sort_rows)
     return tree_sample(tree.tokens, tree.next_token, tree.next_sibling, probs, buf.coins,
                        buf.final_coins, max_accept=L)
 

@@ -7,8 +7,9 @@ import math
 import pytest
 import torch
 from scipy import stats
+from torch import Tensor
 
-from ops.sampling import sample_from_probs, target_probs
+from ops.sampling import row_path, sample_from_probs, target_probs
 from tests.fakeguard import run_on_fake
 
 
@@ -166,3 +167,176 @@ def test_flashinfer_path_matches_torch_distribution() -> None:
         assert stats.chi2_contingency(table).pvalue > 1e-4
         expected = (probs[r].cpu()[keep] * draws).numpy()
         assert stats.chisquare(b[keep].numpy(), expected).pvalue > 1e-4
+
+
+# --- the bounded top-k path against the full vocabulary sort ------------------------------------
+
+
+def row_counts(top_k: Tensor, top_p: Tensor, vocab: int, bound: int) -> dict[str, int]:
+    """The static row counts an eager caller derives on the host with `row_path`."""
+    paths = [row_path(int(k), float(p), vocab, bound) for k, p in zip(top_k, top_p)]
+    return {
+        "topk_rows": sum(x in ("bounded", "sort") for x in paths),
+        "sort_rows": sum(x == "sort" for x in paths),
+    }
+
+
+def assert_same_distribution(got: Tensor, ref: Tensor) -> None:
+    """Same kept set exactly, same values up to fp32 rounding."""
+    assert torch.equal(got > 0, ref > 0)
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
+
+
+def random_case(
+    g: torch.Generator, bs: int, n: int, vocab: int, kind: int
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Logits with plenty of exact ties (`kind` 0: small integers, 1: bf16-rounded, 2: fp32)
+    and a mix of plain, greedy, top-k, top-p and both rows."""
+    if kind == 0:
+        logits = torch.randint(0, 4, (bs, n, vocab), generator=g).float()
+    elif kind == 1:
+        logits = (torch.randn(bs, n, vocab, generator=g) * 3).to(torch.bfloat16).float()
+    else:
+        logits = torch.randn(bs, n, vocab, generator=g) * 2
+    temperature = torch.rand(bs, generator=g) + 0.3
+    top_k = torch.randint(-1, vocab + 2, (bs,), generator=g)
+    top_p = torch.where(torch.rand(bs, generator=g) < 0.3, 1.0, torch.rand(bs, generator=g))
+    return logits, temperature, top_k, top_p
+
+
+def test_bounded_path_equals_full_sort_on_random_mixes() -> None:
+    g = torch.Generator().manual_seed(11)
+    for trial in range(90):
+        bs, n = 7, 3
+        vocab = int(torch.randint(2, 70, (1,), generator=g))
+        bound = int(torch.randint(1, vocab + 3, (1,), generator=g))
+        logits, temp, top_k, top_p = random_case(g, bs, n, vocab, trial % 3)
+        ref = target_probs(logits, temp, top_k, top_p, bound=None)
+        every = target_probs(logits, temp, top_k, top_p, bound=bound)
+        assert every.dtype == torch.float32 and every.shape == logits.shape
+        assert_same_distribution(every, ref)
+        # The host's counts gather the rows; each node's result stays the same, bit for bit.
+        counts = row_counts(top_k, top_p, vocab, bound)
+        assert torch.equal(target_probs(logits, temp, top_k, top_p, bound=bound, **counts), every)
+
+
+def test_bounded_path_matches_the_definition_when_it_falls_back() -> None:
+    # bound 3 of V = 12: top-k 5 and wide nuclei overflow it; the float64 reference decides.
+    g = torch.Generator().manual_seed(5)
+    bs, n, vocab = 8, 4, 12
+    logits = torch.randn(bs, n, vocab, generator=g)
+    temperature = torch.tensor([1.0, 0.5, 2.0, 1.0, 1.5, 1.0, 0.8, 3.0])
+    top_k = torch.tensor([5, 0, 0, 3, 2, 1, 11, 0])
+    top_p = torch.tensor([1.0, 0.97, 0.5, 0.9, 1.0, 0.3, 0.99, 1.0])
+    for counts in ({}, row_counts(top_k, top_p, vocab, 3)):
+        got = target_probs(logits, temperature, top_k, top_p, bound=3, **counts)
+        for b in range(bs):
+            for i in range(n):
+                ref = reference_probs(
+                    logits[b, i].tolist(), float(temperature[b]), int(top_k[b]), float(top_p[b])
+                )
+                assert_same_distribution(got[b, i], torch.tensor(ref, dtype=torch.float32))
+
+
+def test_bounded_ties_keep_lower_token_ids_at_the_bound() -> None:
+    # Six tokens tie for first place; bound 3 cuts the tie: topk must still take the lowest ids,
+    # in id order, for the top-k cut and for a nucleus ending inside the tie.
+    logits = torch.tensor([[1.0, 4.0, 0.0, 4.0, 4.0, 4.0, 4.0, 2.0, 4.0, 0.0]]).expand(3, 10)
+    ones = torch.ones(3)
+    top_k = torch.tensor([2, 3, 0])
+    top_p = torch.tensor([1.0, 1.0, 0.4])
+    got = target_probs(logits, ones, top_k, top_p, bound=3, topk_rows=3, sort_rows=0)
+    third = 1.0 / 3.0
+    assert got[0].tolist() == [0.0, 0.5, 0.0, 0.5, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0]
+    torch.testing.assert_close(got[1], torch.tensor([0, third, 0, third, third, 0, 0, 0, 0, 0]))
+    assert torch.equal(got > 0, target_probs(logits, ones, top_k, top_p, bound=None) > 0)
+    assert_same_distribution(got, target_probs(logits, ones, top_k, top_p, bound=None))
+
+
+def test_wide_nucleus_takes_the_fallback_sort() -> None:
+    # Row 1 is flat: its 0.9 nucleus holds ~90 of 100 tokens, far past the bound of 8. Row 0 is
+    # peaked and fits. Both may need the sort (top-p with top-k off), which only the device sees.
+    g = torch.Generator().manual_seed(2)
+    logits = torch.randn(2, 3, 100, generator=g) * torch.tensor([20.0, 0.1])[:, None, None]
+    ones = torch.ones(2)
+    off = torch.zeros(2, dtype=torch.int64)
+    top_p = torch.tensor([0.9, 0.9])
+    ref = target_probs(logits, ones, off, top_p, bound=None)
+    assert int((ref[0] > 0).sum(-1).max()) <= 8 < int((ref[1] > 0).sum(-1).min())
+    counts = row_counts(off, top_p, 100, 8)
+    assert counts == {"topk_rows": 2, "sort_rows": 2}
+    assert_same_distribution(target_probs(logits, ones, off, top_p, bound=8), ref)
+    assert_same_distribution(target_probs(logits, ones, off, top_p, bound=8, **counts), ref)
+    # Without the fallback (a broken sort_rows=0 promise) the wide row is cut at the bound, and
+    # the row that fits is unchanged, bit for bit.
+    broken = target_probs(logits, ones, off, top_p, bound=8, sort_rows=0)
+    assert int((broken[1] > 0).sum(-1).max()) == 8
+    assert torch.equal(broken[0], target_probs(logits, ones, off, top_p, bound=8)[0])
+    # top-k past the bound falls back too; inside it never needs the sort.
+    k = torch.tensor([20, 8])
+    one = torch.ones(2)
+    assert row_counts(k, one, 100, 8) == {"topk_rows": 2, "sort_rows": 1}
+    assert_same_distribution(
+        target_probs(logits, ones, k, one, bound=8, topk_rows=2, sort_rows=1),
+        target_probs(logits, ones, k, one, bound=None),
+    )
+
+
+def test_row_counts_pick_the_rows_that_need_each_path() -> None:
+    # Truncating rows last, behind plain and greedy rows: the gathers must still find them.
+    g = torch.Generator().manual_seed(9)
+    bs, n, vocab, bound = 6, 5, 40, 4
+    logits = torch.randn(bs, n, vocab, generator=g)
+    temperature = torch.rand(bs, generator=g) + 0.5
+    top_k = torch.tensor([0, 1, 40, 1, 3, 0])
+    top_p = torch.tensor([1.0, 0.5, 1.0, 1.0, 0.7, 0.95])
+    paths = [row_path(int(k), float(p), vocab, bound) for k, p in zip(top_k, top_p)]
+    assert paths == ["plain", "argmax", "plain", "argmax", "bounded", "sort"]
+    assert row_path(300, 0.5, 163_840) == "sort" and row_path(64, 0.5, 163_840) == "bounded"
+    assert row_path(0, 0.5, 200) == "bounded"  # the bound covers the whole vocabulary
+    ref = target_probs(logits, temperature, top_k, top_p, bound=None)
+    counts = row_counts(top_k, top_p, vocab, bound)
+    got = target_probs(logits, temperature, top_k, top_p, bound=bound, **counts)
+    assert_same_distribution(got, ref)
+    plain = torch.softmax(logits / temperature[:, None, None], -1)
+    assert torch.equal(got[[0, 2]], plain[[0, 2]])  # plain rows are the softmax itself
+    one_hot = torch.nn.functional.one_hot(logits[[1, 3]].argmax(-1), vocab).float()
+    assert torch.equal(got[[1, 3]], one_hot)
+
+
+def test_a_rows_result_does_not_depend_on_the_batch() -> None:
+    g = torch.Generator().manual_seed(4)
+    bs, n, vocab, bound = 6, 4, 50, 5
+    logits, temp, top_k, top_p = random_case(g, bs, n, vocab, 1)
+    top_p[:3] = torch.tensor([0.99, 0.9, 0.6])
+    top_k[:3] = 0
+    batch = target_probs(
+        logits, temp, top_k, top_p, bound=bound, **row_counts(top_k, top_p, vocab, bound)
+    )
+    every = target_probs(logits, temp, top_k, top_p, bound=bound)
+    for b in range(bs):
+        sl = slice(b, b + 1)
+        alone = target_probs(logits[sl], temp[sl], top_k[sl], top_p[sl], bound=bound)
+        assert torch.equal(alone[0], batch[b]) and torch.equal(alone[0], every[b])
+
+
+def test_bounded_path_runs_on_fake_tensors() -> None:
+    g = torch.Generator().manual_seed(0)
+    args = (
+        torch.randn(4, 5, 64, generator=g),
+        torch.ones(4),
+        torch.tensor([0, 1, 20, 3]),
+        torch.tensor([0.9, 1.0, 1.0, 0.5]),
+    )
+    for kwargs in (
+        {"bound": 8},  # every row may take either path: a graph serving any mix
+        {"bound": 8, "topk_rows": 3, "sort_rows": 2},  # gathered rows
+        {"bound": 8, "topk_rows": 1, "sort_rows": 0},
+        {"bound": 200},  # the bound covers the vocabulary: no sort at all
+        {"bound": None},
+    ):
+        out = run_on_fake(target_probs, *args, **kwargs)
+        assert tuple(out.shape) == (4, 5, 64) and out.dtype == torch.float32
+    logits = torch.randn(3, 300, generator=g)
+    out = run_on_fake(target_probs, logits, torch.ones(3), args[2][:3], args[3][:3])
+    assert tuple(out.shape) == (3, 300)

@@ -196,25 +196,36 @@ def test_sampling_first_three_tokens_exact(mode, monkeypatch, tmp_path_factory):
         assert max(a for o in outs for a in o.accept_lengths) >= 2  # drafts were accepted
 
 
-def test_vocabulary_is_sorted_only_when_a_sampled_row_truncates(pair, monkeypatch):
+def test_vocabulary_is_sorted_only_for_rows_that_may_need_it(pair, monkeypatch):
+    """Eager steps tell the sampler how many rows truncate and how many may need the full
+    vocabulary sort; the counts change the work, never the tokens."""
     import engine.spec
 
     target, draft = pair
-    seen: list[bool] = []
+    seen: list[tuple[bool, int | None, int | None]] = []
     real = engine.spec.target_probs
-    monkeypatch.setattr(engine.spec, "target_probs",
-                        lambda *a: seen.append(a[-1]) or real(*a))
+
+    def spy(*a, **kw):
+        seen.append((a[4], kw.get("topk_rows"), kw.get("sort_rows")))
+        return real(*a, **kw)
+
+    monkeypatch.setattr(engine.spec, "target_probs", spy)
     free = SamplingParams(temperature=0.9, max_new_tokens=16, ignore_eos=True, seed=5)
     ps = prompts_for(768, lens=[12, 5, 40], seed=3)
     llm = LLM(target, draft, mode="tree", budget=8, max_batch_size=4, progress=False)
     alone = llm.generate([ps[0]], free)[0].token_ids
-    assert seen and not any(seen)  # no top-k/top-p anywhere: the plain tempered softmax
+    assert seen and set(seen) == {(False, 0, 0)}  # no top-k/top-p: the plain tempered softmax
     seen.clear()
     greedy = SamplingParams(max_new_tokens=16, ignore_eos=True)
     mixed = llm.generate(ps[:2], [free, greedy])
-    assert seen[0]  # a greedy row in a sampling batch is top-k 1: the sorted path
+    assert set(seen) == {(True, 0, 0)}  # a greedy row is top-k 1: an argmax, no sort
     assert mixed[0].token_ids == alone  # same distribution, same coins, same tokens
     assert mixed[1].token_ids == llm.generate([ps[1]], greedy)[0].token_ids
+    seen.clear()
+    top_k = SamplingParams(temperature=0.9, top_k=20, max_new_tokens=8, ignore_eos=True, seed=1)
+    top_p = SamplingParams(temperature=0.9, top_p=0.8, max_new_tokens=8, ignore_eos=True, seed=2)
+    llm.generate(ps, [top_k, top_p, greedy])
+    assert (True, 2, 1) in seen  # top-k 20 fits the bounded top-k; a nucleus may not
 
 
 def test_same_seed_same_output_whatever_the_batch(pair):

@@ -169,13 +169,14 @@ def test_edge_shapes(bs: int, depth: int, vocab: int, budget: int) -> None:
 
 
 def test_all_neg_inf_rows_become_padding() -> None:
-    logits = torch.randn(2, 3, 6)
+    logits = torch.randn(2, 3, 6, generator=torch.Generator().manual_seed(0))
     logits[0, 1] = float("-inf")  # nothing past depth 1 for request 0
     logits[1, 0, 2:] = float("-inf")  # two candidates at depth 1 for request 1
     got = build_ddtree(logits, 12, torch.tensor([1, 2]))
     check_structure(got)
     assert int(got.depth[0].max()) == 1 and int(got.valid[0].sum()) == 7
-    assert set(got.tokens[1, got.depth[1] == 1].tolist()) == {0, 1}
+    # only the two candidates can sit at depth 1 (the second one only if it is among the best)
+    assert set(got.tokens[1, got.depth[1] == 1].tolist()) <= {0, 1}
     assert_same_tree(got, build_ddtree_reference(logits, 12, torch.tensor([1, 2])))
 
 

@@ -11,7 +11,7 @@ from scipy import stats
 from torch import Tensor
 from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
 
-from ops.sampling import sample_from_probs, target_probs
+from ops.sampling import row_path, sample_from_probs, target_probs
 from ops.tree import DDTree, build_ddtree
 from ops.verify import Decision, tree_greedy, tree_sample
 from tests.fakeguard import run_on_fake
@@ -512,3 +512,118 @@ def test_cuda_graph_replay_matches_cpu() -> None:
         expect = step(*fresh, *params)
         for got, ref in zip(outs, expect):
             assert torch.equal(got.cpu(), ref)
+
+
+# --- the bounded top-k path of target_probs inside the decide ---------------------------------
+
+
+class BoundedPathTarget(PathTarget):
+    """`PathTarget` through the bounded top-k path with a tiny `bound`, so that top-k and nuclei
+    overflow it and the fallback sort serves them; the row counts are the host's (`row_path`)."""
+
+    def __init__(self, vocab: int, temp: float, top_k: int, top_p: float, seed: int, bound: int):
+        super().__init__(vocab, temp, top_k, top_p, seed)
+        path = row_path(top_k, top_p, vocab, bound)
+        self.kwargs = {
+            "bound": bound,
+            "topk_rows": int(path in ("bounded", "sort")),
+            "sort_rows": int(path == "sort"),
+        }
+        self.reference = PathTarget(vocab, temp, top_k, top_p, seed)
+
+    def __call__(self, prefix: tuple[int, ...]) -> Tensor:
+        if prefix not in self.cache:
+            g = torch.Generator().manual_seed(zlib.crc32(repr((self.seed, prefix)).encode()))
+            logits = torch.randn(1, self.vocab, generator=g)
+            q = target_probs(logits, *self.params, **self.kwargs)[0]
+            ref = self.reference(prefix)
+            assert torch.equal(q > 0, ref > 0)  # same kept set as the full sort
+            torch.testing.assert_close(q, ref, rtol=1e-5, atol=1e-6)
+            self.cache[prefix] = q
+        return self.cache[prefix]
+
+
+@pytest.mark.parametrize(
+    ("top_k", "top_p", "bound"),
+    [(0, 0.9, 2), (3, 1.0, 2), (3, 0.5, 1), (1, 1.0, 1), (0, 0.999, 1)],
+)
+def test_known_answer_on_the_bounded_path(top_k: int, top_p: float, bound: int) -> None:
+    logits = known_answer_logits()
+    temp = torch.full((2,), 0.01)
+    k, p = torch.full((2,), top_k), torch.full((2,), top_p)
+    path = row_path(top_k, top_p, 20, bound)
+    counts = {"topk_rows": 2 * (path in ("bounded", "sort")), "sort_rows": 2 * (path == "sort")}
+    q = target_probs(logits, temp, k, p, bound=bound, **counts)
+    assert torch.equal(q, target_probs(logits, temp, k, p, bound=bound))
+    assert torch.equal(q > 0, target_probs(logits, temp, k, p, bound=None) > 0)
+    for seed in range(3):
+        g = torch.Generator().manual_seed(seed)
+        out = tree_sample(
+            KA_CAND, KA_NEXT, KA_SIB, q, torch.rand(2, 6, generator=g), torch.rand(2, generator=g)
+        )
+        assert torch.equal(out.accept_nodes, flat_to_local([[0, 3, 4, 5], [6, 10, 11, -1]], 6, 6))
+        assert torch.equal(out.accept_len, torch.tensor([3, 2]))
+        assert torch.equal(out.emit, padded([[3, 4, 5, 18], [11, 12, 18]], 6))
+
+
+@pytest.mark.parametrize("config_id", [2, 3, 4])
+def test_bounded_path_with_fallback_keeps_the_decide_exact(config_id: int) -> None:
+    # As sampled_batch, with every target row from the bounded path at bound 2: top-k 5 and 6
+    # overflow it, and so do most nuclei of top-p 0.8 / 0.9 at these temperatures.
+    g = torch.Generator().manual_seed(2000 + config_id)
+    vocab = 8 + config_id % 5
+    depth = 2 + config_id % 3
+    budget = 4 + 3 * config_id
+    target = BoundedPathTarget(vocab, *CONFIGS[config_id], seed=config_id, bound=2)
+    rows, prefix = [], ()
+    for _ in range(depth):
+        q = target(prefix)
+        rows.append(torch.log(q + 1e-2) + torch.randn(vocab, generator=g))
+        prefix = prefix + (int(q.argmax()),)
+    assert int((target(()) > 0).sum()) > 2, "the root row must need the fallback"
+    tree = build_ddtree(torch.stack(rows)[None], budget, torch.zeros(1))
+    probs = target.rows(tree)
+    n = budget + 1
+    out = tree_sample(
+        tree.tokens.expand(DRAWS, n),
+        tree.next_token.expand(DRAWS, n),
+        tree.next_sibling.expand(DRAWS, n),
+        probs.expand(DRAWS, n, vocab),
+        torch.rand(DRAWS, n, generator=g),
+        torch.rand(DRAWS, generator=g),
+    )
+    q_root = target(())
+    first = out.emit[:, 0]
+    assert chi2_ok(torch.bincount(first, minlength=vocab), q_root)
+    after_first = torch.stack([target((t,)) for t in range(vocab)])
+    fresh = sample_from_probs(after_first[first], torch.rand(DRAWS, generator=g))
+    second = torch.where(out.accept_len >= 1, out.emit[:, 1], fresh)
+    joint = q_root[:, None] * after_first
+    assert chi2_ok(torch.bincount(first * vocab + second, minlength=vocab * vocab), joint.flatten())
+    assert int((out.accept_len >= 1).sum()) > DRAWS // 4, "the tree path must be exercised"
+
+
+def test_decide_on_the_bounded_path_runs_on_fake_tensors() -> None:
+    g = torch.Generator().manual_seed(0)
+
+    def whole_step(logits: Tensor, target_logits: Tensor, coins: Tensor, final: Tensor):
+        tree = build_ddtree(logits, 8, torch.zeros(3, dtype=torch.int64))
+        q = target_probs(
+            target_logits,
+            torch.tensor([0.7, 1.0, 1.0]),
+            torch.tensor([0, 1, 5]),
+            torch.tensor([0.9, 1.0, 0.8]),
+            bound=3,
+            topk_rows=2,
+            sort_rows=1,
+        )
+        return tree_sample(tree.tokens, tree.next_token, tree.next_sibling, q, coins, final)
+
+    out = run_on_fake(
+        whole_step,
+        torch.randn(3, 4, 12, generator=g),
+        torch.randn(3, 9, 12, generator=g),
+        torch.rand(3, 9, generator=g),
+        torch.rand(3, generator=g),
+    )
+    assert tuple(out.emit.shape) == (3, 9)
