@@ -17,11 +17,12 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BeforeValidator, ConfigDict, Field, ValidationError
+from pydantic import BeforeValidator, ConfigDict, Field, ValidationError, model_validator
 from pydantic.dataclasses import dataclass as checked_dataclass
 
 # Step modes: a DDTree, the drafter's argmax chain, or plain one-token decoding.
 MODES = ("tree", "chain", "ar")
+DEFAULT_BUDGET = 16  # tree nodes besides the root, without --budget or a budget policy
 DType = Literal["auto", "float32", "fp32", "bfloat16", "bf16", "float16", "fp16"]
 DTYPE_NAMES = typing.get_args(DType)[1:]
 
@@ -451,9 +452,12 @@ class EngineConfig:
                                                 "unless --mode ar)")
     mode: Literal["tree", "chain", "ar"] = Field(
         "tree", description="a DDTree, the drafter's argmax chain, or plain decoding")
-    budget: Annotated[int, Field(ge=1)] = Field(16, description="tree nodes besides the root")
-    budget_policy: str | None = Field(None, description="TOML table of tree budget per batch "
-                                                        "size (configs/budgets.toml)")
+    budget: Annotated[int, Field(ge=0)] | None = Field(
+        None, description="tree nodes besides the root at every batch size, 0: plain decoding "
+                          "(default: the budget policy, else 16)")
+    budget_policy: str | None = Field(
+        None, description="TOML tables of the tree budget per batch size, greedy and sampled "
+                          "(default: configs/budgets-<device>.toml where one was measured)")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: CUDA when "
                                                                        "present, else the CPU")
     dtype: DType = Field(
@@ -482,6 +486,13 @@ class EngineConfig:
         30.0, description="seconds without a heartbeat from a peer rank before exiting")
     # Not a flag: None lets the runner use CUDA graphs exactly when the device is CUDA.
     use_graphs: bool | None = Field(None, json_schema_extra={"cli": False})
+
+    @model_validator(mode="after")
+    def _one_budget_source(self) -> EngineConfig:
+        if self.budget is not None and self.budget_policy is not None:
+            raise ValueError("give budget (one budget everywhere) or budget_policy (a table per "
+                             "batch size), not both")
+        return self
 
 
 def _flag_type(annotation: Any) -> tuple[Any, dict[str, Any]]:

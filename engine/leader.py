@@ -50,7 +50,7 @@ class AnnouncingRunner:
         self.tp.send(Prefill(inp))
         return self.inner.prefill(inp)
 
-    def step(self, inp: StepInputs, pad: bool = True) -> tuple[list[list[int]], list[int]]:
+    def step(self, inp: StepInputs, pad: bool = False) -> tuple[list[list[int]], list[int]]:
         self.tp.send(Step(inp, pad))
         return self.inner.step(inp, pad)
 

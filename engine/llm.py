@@ -10,12 +10,13 @@ from typing import Any
 
 import torch
 
-from engine.config import EngineConfig, SamplingParams
+from engine.config import DEFAULT_BUDGET, EngineConfig, SamplingParams
 from engine.dist import Group
 from engine.kv_cache import KVPool, pages_needed
 from engine.leader import AnnouncingRunner, End, Stop, follow
 from engine.models.dflash import DFlashDrafter
 from engine.models.kimi import KimiForCausalLM
+from engine.policy import default_policy, load_budgets
 from engine.request import Request
 from engine.runner import PhaseTimer, StepGraphRunner
 from engine.scheduler import Scheduler
@@ -108,14 +109,14 @@ class LLM:
         target, drafter = self.models.target, self.models.drafter
         mc = target.cfg
         block = drafter.c.block_size if drafter else 2
-        shape = StepShape(cfg.mode, cfg.budget, block, sample=False)
-        budgets = None
-        if cfg.budget_policy and cfg.mode == "tree":
-            from engine.policy import load_budgets
-
-            budgets = load_budgets(cfg.budget_policy)
+        shape = StepShape(cfg.mode, DEFAULT_BUDGET if cfg.budget is None else cfg.budget, block,
+                          sample=False)
+        self.budget_policy = policy = None if cfg.budget is not None or cfg.mode != "tree" else (
+            cfg.budget_policy or default_policy(device.type))
+        budgets = load_budgets(policy) if policy else None
         # NOTE: the page table must cover the step that can emit the most, whatever its size.
-        widest = StepShape(cfg.mode, max([cfg.budget, *(budgets or {}).values()]), block, False)
+        most = max([shape.budget, *(b for t in (budgets or {}).values() for b in t.values())])
+        widest = StepShape(cfg.mode, most, block, False)
         self.max_model_len = cfg.max_model_len or mc.max_position_embeddings
         max_pages = pages_needed(self.max_model_len + widest.max_emit, cfg.page_size)
         num_pages = cfg.kv_pages or (1 + cfg.max_batch_size * max_pages)
@@ -170,18 +171,19 @@ class LLM:
                 else None
             mc, heads = self.models.target.cfg, self.models.target.model.layers[0].self_attn
             dtype, sizes = self.pool.target.dtype, self.runner.capture_sizes
-            nodes = {bs: self.runner.shapes[(bs, False)].num_nodes for bs in sizes}
+            # one kernel per (batch size, tree nodes): a size's step kinds may differ in nodes
+            steps = sorted({(bs, s.num_nodes) for bs in sizes for s in self.runner.shapes_of(bs)})
             facts = MLADevice.of(dev) if why is None else None
-            why = why or next((r for bs in sizes if (r := mla_unsupported_reason(
+            why = why or next((r for bs, n in steps if (r := mla_unsupported_reason(
                 mc.kv_lora_rank, mc.qk_rope_head_dim, dtype, facts, num_heads=heads.num_heads,
-                num_queries=nodes[bs], batch_size=bs)) is not None), None)
+                num_queries=n, batch_size=bs)) is not None), None)
             if why is None:
                 ws = torch.empty(mla_workspace_bytes(mc.kv_lora_rank, facts.num_sms),
                                  dtype=torch.uint8, device=dev)  # NOTE: one stream: shared
-                backends = {bs: FlashInferMLAPrefix(
-                    bs, nodes[bs], max_pages, self.pool.page_size, heads.num_heads,
+                backends = {(bs, n): FlashInferMLAPrefix(
+                    bs, n, max_pages, self.pool.page_size, heads.num_heads,
                     mc.kv_lora_rank, mc.qk_rope_head_dim, mc.softmax_scale, dtype, dev,
-                    workspace=ws, device_facts=facts) for bs in sizes}
+                    workspace=ws, device_facts=facts) for bs, n in steps}
                 self.models.prefix = dict(backends)
                 self.runner.planner = prefix_planner(backends)
             elif want == "flashinfer":

@@ -1,16 +1,20 @@
-"""Tree budget per captured batch size: a small TOML table (`configs/budgets.toml`).
+"""Tree budget per captured batch size and sampling mode: a small TOML file, read with `tomllib`.
 
-Large batches are verify-bound, so they want smaller trees than a lone request does; every
-graph of one batch size shares one budget so its shapes stay fixed. The table is written by
-`python -m graphs.profile --tune` and read with `tomllib`:
+Small batches are draft-bound and afford big trees; large ones are verify-bound and want small
+ones, down to 0: plain decoding through the same step (the drafter's cache is still fed, so a
+request can draft again when the batch shrinks). Sampled steps accept fewer drafts than greedy
+ones, so they have their own table. Every graph of one (size, mode) has one budget, so its shapes
+stay fixed. `python -m graphs.profile --tune` measures and writes it:
 
-    [budgets]      # captured batch size = tree budget (nodes besides the root)
-    1 = 64
-    8 = 32
-    32 = 8
+    [greedy]       # captured batch size = tree budget (nodes besides the root; 0: plain)
+    1 = 16
+    16 = 4
+    [sampled]      # optional: the greedy table when absent
+    1 = 8
 
-A runner built with `budgets=load_budgets(path)` uses, for each captured size, the entry for
-the largest listed size not above it (sizes below every entry use the smallest entry).
+Each captured size takes the entry of the largest listed size not above it (sizes below every
+entry take the smallest entry). `configs/budgets-cpu.toml`, measured on the bundled pair, is the
+default policy on the CPU; CUDA has none until one is measured there, so it uses `--budget`.
 """
 
 from __future__ import annotations
@@ -21,15 +25,39 @@ from typing import Any
 
 import tomllib
 
-DEFAULT_POLICY = Path(__file__).resolve().parent.parent / "configs" / "budgets.toml"
+CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+TABLES = {False: "greedy", True: "sampled"}
+Policy = dict[bool, dict[int, int]]  # sampling? -> {batch size: budget}
 
 
 class PolicyError(ValueError):
     pass
 
 
-def load_budgets(path: str | Path = DEFAULT_POLICY) -> dict[int, int]:
-    """`{batch size: budget}` from the `[budgets]` table of a TOML file."""
+def default_policy(device_type: str) -> Path | None:
+    """The shipped policy for a device type, if one was measured there."""
+    p = CONFIGS / f"budgets-{device_type}.toml"
+    return p if p.is_file() else None
+
+
+def _table(p: Path, name: str, table: Any) -> dict[int, int]:
+    if not isinstance(table, dict) or not table:
+        raise PolicyError(f"{p}: [{name}] must be a non-empty table (batch size = budget)")
+    out: dict[int, int] = {}
+    for k, v in table.items():
+        try:
+            bs = int(k)
+        except ValueError as e:
+            raise PolicyError(f"{p}: key {k!r} in [{name}] is not a batch size") from e
+        if bs < 1 or not isinstance(v, int) or isinstance(v, bool) or v < 0:
+            raise PolicyError(f"{p}: [{name}] {k} = {v!r}: batch sizes must be integers >= 1 "
+                              f"and budgets integers >= 0")
+        out[bs] = v
+    return dict(sorted(out.items()))
+
+
+def load_budgets(path: str | Path) -> Policy:
+    """`{sampling: {batch size: budget}}` from the `[greedy]` (and `[sampled]`) tables."""
     p = Path(path)
     try:
         data = tomllib.loads(p.read_text())
@@ -37,24 +65,17 @@ def load_budgets(path: str | Path = DEFAULT_POLICY) -> dict[int, int]:
         raise PolicyError(f"{p}: budget policy not found") from e
     except tomllib.TOMLDecodeError as e:
         raise PolicyError(f"{p}: not valid TOML ({e})") from e
-    table = data.get("budgets")
-    if not isinstance(table, dict) or not table:
-        raise PolicyError(f"{p}: needs a non-empty [budgets] table (batch size = budget)")
-    out: dict[int, int] = {}
-    for k, v in table.items():
-        try:
-            bs = int(k)
-        except ValueError as e:
-            raise PolicyError(f"{p}: key {k!r} in [budgets] is not a batch size") from e
-        if bs < 1 or not isinstance(v, int) or isinstance(v, bool) or v < 1:
-            raise PolicyError(f"{p}: [budgets] {k} = {v!r}: batch size and budget must be "
-                              f"integers >= 1")
-        out[bs] = v
-    return dict(sorted(out.items()))
+    unknown = set(data) - set(TABLES.values())
+    if unknown:
+        raise PolicyError(f"{p}: unknown tables {sorted(unknown)} (expected [greedy], "
+                          f"[sampled])")
+    greedy = _table(p, "greedy", data.get("greedy"))
+    return {False: greedy,
+            True: _table(p, "sampled", data["sampled"]) if "sampled" in data else greedy}
 
 
 def budgets_for_sizes(policy: Mapping[int, int], sizes: Sequence[int]) -> dict[int, int]:
-    """Spread a policy over capture sizes: each size takes the entry of the largest listed
+    """Spread one table over capture sizes: each size takes the entry of the largest listed
     size not above it, or the smallest listed size's entry below them all."""
     keys = sorted(policy)
     out = {}
@@ -64,24 +85,24 @@ def budgets_for_sizes(policy: Mapping[int, int], sizes: Sequence[int]) -> dict[i
     return out
 
 
-def write_budgets(path: str | Path, budgets: Mapping[int, int],
+def write_budgets(path: str | Path, policy: Mapping[bool, Mapping[int, int]],
                   measured: Sequence[Mapping[str, Any]] = (), note: str = "") -> Path:
-    """Write the `[budgets]` table (and, as comments, the measurements it came from)."""
+    """Write the tables (and, as comments, the measurements they came from)."""
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
-    lines = ["# Tree budget per captured batch size (tree mode), read by engine.policy.",
-             "# Written by `python -m graphs.profile --tune`."]
-    if note:
-        lines += [f"# {line}" for line in note.splitlines()]
+    lines = ["# Tree budget per captured batch size and sampling mode (0: plain decoding through",
+             "# the same step), read by engine.policy. Written by `python -m graphs.profile "
+             "--tune`."]
+    lines += [f"# {line}" for line in note.splitlines()]
     if measured:
-        lines.append("# measured: batch size, budget, accepted tokens per step, step ms, "
-                     "tokens/s")
-        for m in measured:
-            lines.append(f"#   {m['batch_size']:>4} {m['budget']:>4} {m['accept']:7.3f} "
-                         f"{m['step_ms']:9.3f} {m['tokens_per_s']:10.1f}")
-    lines.append("")
-    lines.append("[budgets]")
-    lines += [f"{int(bs)} = {int(b)}" for bs, b in sorted(budgets.items())]
+        lines.append("# measured: mode, batch size, budget, tokens per row-step, step ms, tokens/s")
+        lines += [f"#   {TABLES[m['sample']]:>7} {m['batch_size']:>4} {m['budget']:>4} "
+                  f"{m['accept']:7.3f} {m['step_ms']:9.3f} {m['tokens_per_s']:10.1f}"
+                  for m in measured]
+    for sample, name in TABLES.items():
+        if sample in policy:
+            lines += ["", f"[{name}]", *(f"{int(bs)} = {int(b)}"
+                                         for bs, b in sorted(policy[sample].items()))]
     p.write_text("\n".join(lines) + "\n")
     load_budgets(p)  # what we write must read back
     return p

@@ -1,6 +1,6 @@
 """Every model call goes through the runner: prefills, and the spec step for a batch, with
 static buffers per batch size, padding rows on the dummy page, one CUDA graph per (batch size,
-greedy/sampling) on a GPU and the same step eagerly elsewhere.
+step kind) on a GPU and the same step eagerly elsewhere.
 
 It takes host values (`StepInputs`, `PrefillInputs`), never requests, and knows nothing of what
 is inside the step: it copies the inputs into the buffers (through one pinned staging copy per
@@ -30,7 +30,11 @@ from ops.sampling import row_path, sample_from_probs, target_probs
 # Called before every step and every capture, outside the graph, with the host copies of the
 # page table `[bs, W]` and context lengths `[bs]` the step is about to read (a kernel backend
 # plans its metadata from them here, without a device sync).
-Planner = Callable[[Tensor, Tensor], None]
+Planner = Callable[[Tensor, Tensor, int], None]
+# A step is "greedy" (no row samples), "sampled" (at least half the rows sample: the sampled
+# budget) or "mixed" (a few rows sample: the sampling decide over the greedy budget's tree, since
+# most rows accept greedily). Kinds whose shapes agree share one graph.
+KINDS = ("greedy", "mixed", "sampled")
 
 
 @dataclass
@@ -95,15 +99,16 @@ class CaptureError(RuntimeError):
 class StepGraphRunner:
     """One step function, many batch sizes.
 
-    `budgets` (optional, tree mode) is a budget policy `{batch size: tree budget}` (see
-    `engine.policy`), spread over the capture sizes; without one every size uses
-    `shape.budget`. Every graph of one size shares one budget, so each size's shapes stay fixed.
+    `budgets` (optional, tree mode) is a budget policy `{sampling: {batch size: tree budget}}`
+    (see `engine.policy`), spread over the capture sizes; without one every step uses
+    `shape.budget`. Every graph of one (size, sampling) has one budget, so its shapes stay fixed;
+    one set of buffers per size serves both (`StepBuffers.fit`).
     """
 
     def __init__(
         self, models: Models, pool: KVPool, shape: StepShape, *, max_batch_size: int,
         max_pages: int, capture_sizes: Sequence[int] | None = None, use_graphs: bool | None = None,
-        timer: PhaseTimer | None = None, budgets: Mapping[int, int] | None = None,
+        timer: PhaseTimer | None = None, budgets: Mapping[bool, Mapping[int, int]] | None = None,
         planner: Planner | None = None,
     ):
         self.models, self.pool = models, pool
@@ -119,11 +124,16 @@ class StepGraphRunner:
             raise ValueError(f"CUDA graphs need a CUDA device; the KV pool is on {self.device}")
         self.timer = timer or PhaseTimer()
         self.planner = planner
-        spread = budgets_for_sizes(budgets, self.capture_sizes) if budgets else {}
-        self.budgets = {bs: self._budget_for(bs, shape, spread) for bs in self.capture_sizes}
-        self.shapes = {(bs, s): StepShape(shape.mode, self.budgets[bs], shape.block_size, s)
-                       for bs in self.capture_sizes for s in (False, True)}
-        self.buffers = {bs: StepBuffers.allocate(bs, max_pages, self.shapes[(bs, False)],
+        tree = shape.mode == "tree" and budgets
+        spread = {s: budgets_for_sizes(budgets[s], self.capture_sizes) if tree else {}
+                  for s in (False, True)}
+        # (batch size, sampling) -> tree budget
+        self.budgets = {(bs, s): spread[s].get(bs, shape.budget)
+                        for bs in self.capture_sizes for s in (False, True)}
+        self.shapes = {(bs, kind): StepShape(shape.mode, self.budgets[(bs, kind == "sampled")],
+                                             shape.block_size, kind != "greedy")
+                       for bs in self.capture_sizes for kind in KINDS}
+        self.buffers = {bs: StepBuffers.allocate(bs, max_pages, self.shapes_of(bs),
                                                  models.target, self.device)
                         for bs in self.capture_sizes}
         # NOTE: host copies of every step input, pinned on CUDA so the copies in are
@@ -135,29 +145,29 @@ class StepGraphRunner:
         for bs, buf in self.buffers.items():
             _pad(buf.inputs(), 0)
             _pad(self.staging[bs], 0)
-        self.graphs: dict[tuple[int, bool], Any] = {}
-        # (batch size, sampling) -> {"seconds": capture wall time, "bytes": pool growth}
-        self.capture_stats: dict[tuple[int, bool], dict[str, float]] = {}
+        self.graphs: dict[tuple[int, StepShape], Any] = {}
+        # (batch size, shape) -> {"seconds": capture wall time, "bytes": pool growth}
+        self.capture_stats: dict[tuple[int, StepShape], dict[str, float]] = {}
 
-    @staticmethod
-    def _budget_for(bs: int, shape: StepShape, budgets: Mapping[int, int] | None) -> int:
-        if shape.mode != "tree" or not budgets or bs not in budgets:
-            return shape.budget
-        b = int(budgets[bs])
-        if b < 1:
-            raise ValueError(f"budget policy: batch size {bs} has budget {b}; must be >= 1")
-        return b
+    def shapes_of(self, bs: int) -> list[StepShape]:
+        """The distinct step shapes of one batch size (one graph each)."""
+        return list(dict.fromkeys(self.shapes[(bs, kind)] for kind in KINDS))
 
     @property
     def shape(self) -> StepShape:
-        """The greedy shape that can emit the most tokens per step: callers size page
-        reservations (`max_emit`) from it, so it must cover every batch size's shape."""
-        return max((self.shapes[(bs, False)] for bs in self.capture_sizes),
-                   key=lambda s: (s.max_emit, s.budget))
+        """The shape that can emit the most tokens per step: callers size page reservations
+        (`max_emit`) from it, so it must cover every (batch size, sampling) shape."""
+        return max(self.shapes.values(), key=lambda s: (s.max_emit, s.budget))
 
     def coins_per_row(self, b: int) -> int:
-        """Uniforms a step of `b` rows draws per row: one per tree node, one for the bonus."""
-        return self.shapes[(self.padded_size(b), False)].num_nodes + 1
+        """Uniforms a step of `b` rows draws per row: one per node of the widest sampling tree,
+        one for the bonus (a greedy step draws them too and reads none)."""
+        size = self.padded_size(b)
+        return max(self.shapes[(size, k)].num_nodes for k in ("mixed", "sampled")) + 1
+
+    def kind(self, params: Sequence[SamplingParams]) -> str:
+        sampled = sum(not p.greedy for p in params)
+        return "greedy" if not sampled else "sampled" if 2 * sampled >= len(params) else "mixed"
 
     def padded_size(self, b: int) -> int:
         for s in self.capture_sizes:
@@ -170,20 +180,21 @@ class StepGraphRunner:
 
     def _knobs(self, bs: int) -> str:
         return (f"max batch size {self.max_batch_size} (--max-batch-size), the captured sizes "
-                f"{self.capture_sizes} (--capture-sizes), tree budget {self.budgets[bs]} at this "
+                f"{self.capture_sizes} (--capture-sizes), tree budgets "
+                f"{self.budgets[(bs, False)]}/{self.budgets[(bs, True)]} (greedy/sampled) at this "
                 f"size (--budget or --budget-policy), KV pool of {self.pool.num_pages} pages "
                 f"(--kv-pages)")
 
     def _new_pool(self) -> Any:
         return torch.cuda.graph_pool_handle()
 
-    def _capture_one(self, bs: int, sample: bool, mem_pool: Any) -> Any:
+    def _capture_one(self, bs: int, shape: StepShape, mem_pool: Any) -> Any:
         """Warm up twice on a side stream, then capture one graph into `mem_pool`."""
-        buf, shape, host = self.buffers[bs], self.shapes[(bs, sample)], self.staging[bs]
+        host, buf = self.staging[bs], self.buffers[bs].fit(shape)
         _pad(buf.inputs(), 0)
         _pad(host, 0)
         if self.planner is not None:
-            self.planner(host["page_table"], host["cache_len"])
+            self.planner(host["page_table"], host["cache_len"], shape.num_nodes)
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
@@ -200,7 +211,7 @@ class StepGraphRunner:
         return torch.cuda.memory_reserved(self.device) if self.device.type == "cuda" else 0
 
     def capture(self, progress: bool = True) -> None:
-        """Capture every (batch size, greedy/sampling) graph, largest first into one pool.
+        """Capture every (batch size, step shape) graph, largest first into one pool.
 
         NOTE: largest first, so the shared pool is sized by the biggest graph and the smaller
         ones reuse its blocks; the warm-ups write only to the dummy page (every row is padding).
@@ -209,19 +220,19 @@ class StepGraphRunner:
             return
         from tqdm import tqdm
 
-        todo = [(bs, s) for bs in sorted(self.capture_sizes, reverse=True) for s in (False, True)]
+        todo = [(bs, s) for bs in sorted(self.capture_sizes, reverse=True)
+                for s in self.shapes_of(bs)]
         gc.collect()
         gc.freeze()
-        bs = todo[0][0]
+        bs, shape = todo[0]
         try:
             mem_pool = self._new_pool()
-            for bs, sample in tqdm(todo, desc="capturing step graphs", disable=not progress):
+            for bs, shape in tqdm(todo, desc="capturing step graphs", disable=not progress):
                 t0, m0 = time.perf_counter(), self._reserved()
-                self.graphs[(bs, sample)] = self._capture_one(bs, sample, mem_pool)
-                self.capture_stats[(bs, sample)] = {
+                self.graphs[(bs, shape)] = self._capture_one(bs, shape, mem_pool)
+                self.capture_stats[(bs, shape)] = {
                     "seconds": time.perf_counter() - t0, "bytes": self._reserved() - m0}
         except Exception as e:
-            shape = self.shapes[(bs, False)]
             raise CaptureError(
                 f"capturing the {shape.mode} step at batch size {bs} failed: "
                 f"{type(e).__name__}: {e}. Graph size is set by {self._knobs(bs)}; lower one "
@@ -249,16 +260,16 @@ class StepGraphRunner:
                              sort_rows=int(path == "sort"))
         return int(sample_from_probs(probs, torch.tensor([inp.coin], device=dev))[0])
 
-    def load(self, inp: StepInputs, pad: bool = True) -> tuple[StepBuffers, StepShape, int]:
-        """Copy `inp` into the static buffers (padding rows included). Returns the buffers the
-        step reads, its shape, and the page-table width it uses."""
+    def load(self, inp: StepInputs, pad: bool = False) -> tuple[StepBuffers, StepShape, int]:
+        """Copy `inp` into the static buffers. A graph runs its whole captured size (padding
+        rows included); an eager step only the batch's rows, unless `pad`. Returns the buffers
+        the step reads, its shape, and the page-table width it uses."""
         b = len(inp.anchor)
         if b == 0:
             raise ValueError("a step needs at least one request")
         size = self.padded_size(b)
-        bp = size if (pad or self.use_graphs) else b
-        buf = self.buffers[size].rows(bp)
-        shape = self.shapes[(size, any(not p.greedy for p in inp.params))]
+        shape = self.shapes[(size, self.kind(inp.params))]
+        buf = self.buffers[size].rows(size if (pad or self.use_graphs) else b).fit(shape)
         if shape.sample and not self.use_graphs:
             # Eager: truncate only the rows that ask for it, and sort the vocabulary only for
             # rows whose cut may not fit in a bounded top-k.
@@ -281,16 +292,17 @@ class StepGraphRunner:
                 raise ValueError(f"row {i} holds {len(pages)} pages; the step's page table has "
                                  f"{self.max_pages}")
             pt[i, :len(pages)] = torch.tensor(pages, dtype=torch.int64)
-        N = buf.coins.shape[1]
-        coins = torch.tensor(inp.coins, dtype=torch.float32).view(b, N + 1)
+        N = shape.num_nodes
+        coins = torch.tensor(inp.coins, dtype=torch.float32).view(b, -1)
         p = inp.params
         host["anchor"][:b] = torch.tensor(inp.anchor)
         host["cache_len"][:b] = torch.tensor(inp.cache_len)
         host["temperature"][:b] = torch.tensor([1.0 if x.greedy else x.temperature for x in p])
         host["top_k"][:b] = torch.tensor([1 if x.greedy else max(x.top_k, 0) for x in p])
         host["top_p"][:b] = torch.tensor([1.0 if x.greedy else x.top_p for x in p])
-        host["coins"][:b] = coins[:, :N]
-        host["final_coins"][:b] = coins[:, N]
+        if shape.sample:  # a greedy step reads no coins
+            host["coins"][:b, :N] = coins[:, :N]
+            host["final_coins"][:b] = coins[:, N]
         _pad(host, b)
         for k, dst in self.buffers[size].inputs().items():
             if dst is not host[k]:
@@ -303,15 +315,15 @@ class StepGraphRunner:
         if self.planner is not None:
             with self.timer("plan"):
                 host = self.staging[bs]
-                self.planner(host["page_table"], host["cache_len"])
+                self.planner(host["page_table"], host["cache_len"], shape.num_nodes)
         if self.use_graphs:
             with self.timer("step"):
-                self.graphs[(bs, shape.sample)].replay()
+                self.graphs[(bs, shape)].replay()
         else:
             view = replace(buf, page_table=buf.page_table[:, :width])
             spec_step(self.models, self.pool, view, shape, self.timer)
 
-    def step(self, inp: StepInputs, pad: bool = True) -> tuple[list[list[int]], list[int]]:
+    def step(self, inp: StepInputs, pad: bool = False) -> tuple[list[list[int]], list[int]]:
         """Run one step. Returns the emitted tokens and accepted-draft counts per row."""
         b = len(inp.anchor)
         with self.timer("host"):

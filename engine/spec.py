@@ -11,8 +11,8 @@ cache_len + accept_len`, and the bonus token becomes the next anchor.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
-from dataclasses import dataclass, field, fields
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, fields, replace
 
 import torch
 from torch import Tensor
@@ -33,7 +33,7 @@ class StepShape:
     """The static knobs of one captured step: every tensor shape follows from these."""
 
     mode: str  # "tree", "chain" or "ar"
-    budget: int  # tree nodes besides the root (tree mode)
+    budget: int  # tree nodes besides the root (tree mode; 0: plain decoding, drafter fed)
     block_size: int  # drafter block (anchor + L drafts); unused in ar mode
     sample: bool  # rejection sampling (True) or the greedy walk (False)
     # Some row may use top-k/top-p (sampling only). False skips the vocabulary sort; a captured
@@ -47,8 +47,15 @@ class StepShape:
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
-        if self.mode == "tree" and self.budget < 1:
-            raise ValueError(f"tree budget must be >= 1, got {self.budget}")
+        if self.mode == "tree" and self.budget < 0:
+            raise ValueError(f"tree budget must be >= 0, got {self.budget}")
+
+    @property
+    def drafts(self) -> bool:
+        """Whether the step runs the drafter. A tree of budget 0 is plain decoding that still
+        hands the target's features to the drafter's cache, so a later step of another batch
+        size (another budget) can draft from the whole context."""
+        return self.mode == "chain" or self.mode == "tree" and self.budget > 0
 
     @property
     def depth(self) -> int:
@@ -100,10 +107,12 @@ class StepBuffers:
     accept_nodes: Tensor  # [bs, S] int64, -1 padded
 
     @classmethod
-    def allocate(cls, bs: int, width: int, shape: StepShape, target: KimiForCausalLM,
-                 device: torch.device | str) -> StepBuffers:
+    def allocate(cls, bs: int, width: int, shape: StepShape | Sequence[StepShape],
+                 target: KimiForCausalLM, device: torch.device | str) -> StepBuffers:
+        """Buffers wide enough for every shape in `shape` (see `fit`)."""
         c = target.cfg
-        N, S = shape.num_nodes, shape.max_emit
+        shapes = [shape] if isinstance(shape, StepShape) else list(shape)
+        N, S = max(s.num_nodes for s in shapes), max(s.max_emit for s in shapes)
         z = dict(device=device)
         return cls(
             anchor=torch.zeros(bs, dtype=torch.int64, **z),
@@ -126,6 +135,12 @@ class StepBuffers:
         return StepBuffers(**{f.name: (getattr(self, f.name)[:, :n] if f.name == "tree_kv"
                                        else getattr(self, f.name)[:n]) for f in fields(self)})
 
+    def fit(self, shape: StepShape) -> StepBuffers:
+        """Views as wide as `shape`'s nodes and emits (buffers serve every shape of a size)."""
+        N, S = shape.num_nodes, shape.max_emit
+        return replace(self, coins=self.coins[:, :N], tree_kv=self.tree_kv[:, :, :N],
+                       emit=self.emit[:, :S], accept_nodes=self.accept_nodes[:, :S])
+
     def inputs(self) -> dict[str, Tensor]:
         """The per-step inputs the host copies in, by field name."""
         return {k: getattr(self, k) for k in PADDING}
@@ -145,14 +160,14 @@ class Models:
     # reads them in place with work that follows each row's length (the kimi:: paged ops:
     # Triton on CUDA, their torch twins elsewhere).
     attention: str = "torch"
-    # Planned flashinfer MLA prefix kernels per (padded) batch size (`ops.attention_gpu`,
-    # CUDA): where present they take the target's prefix pass.
-    prefix: dict[int, PrefixKernel] = field(default_factory=dict)
+    # Planned flashinfer MLA prefix kernels per (padded batch size, tree nodes)
+    # (`ops.attention_gpu`, CUDA): where present they take the target's prefix pass.
+    prefix: dict[tuple[int, int], PrefixKernel] = field(default_factory=dict)
 
     def prefix_for(self, buf: StepBuffers, page_size: int) -> PrefixKernel | None:
         """The target's prefix-attention kernel for this step: flashinfer's planned one, the
         paged op over `buf`'s page table, or None (the torch pass over gathered slots)."""
-        planned = self.prefix.get(buf.anchor.shape[0])
+        planned = self.prefix.get((buf.anchor.shape[0], buf.tree_kv.shape[2]))
         if planned is not None or self.attention != "paged":
             return planned
         table, scale = buf.page_table, self.target.cfg.softmax_scale
@@ -208,11 +223,12 @@ def draft(models: Models, pool: KVPool, buf: StepBuffers, shape: StepShape,
 
 
 def build(draft_logits: Tensor | None, buf: StepBuffers, shape: StepShape) -> DDTree:
-    if shape.mode == "tree":
-        return build_ddtree(draft_logits, shape.budget, buf.anchor)
-    if shape.mode == "chain":
+    if shape.drafts:
+        assert draft_logits is not None
+        if shape.mode == "tree":
+            return build_ddtree(draft_logits, shape.budget, buf.anchor)
         return chain_tree(draft_logits, buf.anchor)
-    # ar: the tree is the root alone; the decide then emits only the bonus token
+    # ar or budget 0: the tree is the root alone; the decide then emits only the bonus token
     bs = buf.anchor.shape[0]
     z = torch.zeros(bs, 1, dtype=torch.int64, device=buf.anchor.device)
     return DDTree(tokens=buf.anchor[:, None].clone(), parent=z - 1, depth=z,
@@ -294,7 +310,7 @@ def spec_step(models: Models, pool: KVPool, buf: StepBuffers, shape: StepShape,
         ctx_slots = slot_of(buf.page_table, torch.arange(C, device=buf.anchor.device)[None, :]
                             .expand(buf.page_table.shape[0], C), pool.page_size)
     draft_logits = None
-    if shape.mode != "ar":
+    if shape.drafts:
         with timer("draft"):
             draft_logits = draft(models, pool, buf, shape, ctx_slots)
     with timer("build"):

@@ -2,20 +2,23 @@
 
     python -m graphs.profile [--model DIR --draft DIR] [--batch-sizes 1,2,4,8] [--budget 16]
         [--mode tree|chain|ar] [--steps N] [--prompt-len T] [--temperature T] [--device cuda]
-        [--output runs/profile/profile.json] [--tune --tune-budgets 4,8,16,32,64
-        --policy-out configs/budgets.toml] [--tp N under torchrun]
+        [--output runs/profile/profile.json] [--tune --tune-budgets 0,2,4,8,16,32
+        --tune-temperature 0.7 --policy-out configs/budgets-cpu.toml] [--tp N under torchrun]
 
 For each batch size: capture time, graph memory, replay latency against the eager latency of the
 same step, time per phase (eager, synchronized at phase edges), tokens per step, and GPU
-telemetry from NVML. Each batch runs real requests (random prompts of `--prompt-len` tokens,
-prefilled) through the runner; the eager and the replayed runs start from the same state and
-must emit the same tokens. Without CUDA it profiles the eager step on the CPU and says so.
+telemetry from NVML. Each batch runs real requests (prefilled prompts of at most `--prompt-len`
+tokens: held-out corpus text when the model has a tokenizer, else random ids) through the
+runner; the eager and the replayed runs start from the same state and must emit the same
+tokens. Without CUDA it profiles the eager step on the CPU and says so.
 
 Under `torchrun --nproc-per-node N ... --tp N` every rank runs the same steps and the table
 adds the all-reduce share of the eager step.
 
-`--tune` measures accepted length and step time per (batch size, budget) and writes the budget
-policy table (`engine.policy`) that maximizes tokens per second at each batch size.
+`--tune` measures accepted length and step time per (greedy/sampled, batch size, budget), budget
+0 (plain decoding through the same step) included, and writes the budget policy
+(`engine.policy`) that maximizes tokens per second at each batch size, greedy and sampled (at
+`--tune-temperature`).
 """
 
 from __future__ import annotations
@@ -26,17 +29,25 @@ import json
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 from pydantic import ValidationError
 
-from engine.config import EngineConfig, SamplingParams, add_cli_args, error_text, from_cli
+from engine.config import (
+    DEFAULT_BUDGET,
+    EngineConfig,
+    SamplingParams,
+    add_cli_args,
+    error_text,
+    from_cli,
+)
 from engine.dist import Group
 from engine.kv_cache import KVPool, pages_needed
 from engine.llm import load_models, model_pair, resolve_device
-from engine.policy import DEFAULT_POLICY, write_budgets
+from engine.policy import CONFIGS, TABLES, write_budgets
 from engine.request import Request
 from engine.runner import CaptureError, PhaseTimer, StepGraphRunner
 from engine.scheduler import Scheduler, step_inputs
@@ -47,14 +58,17 @@ PHASES = ("draft", "build", "verify", "decide", "commit")
 NO_GRAPHS = "CUDA graphs need CUDA: this profiles the eager step (no capture, no replay)"
 
 
-def _ints(s: str) -> list[int]:
-    try:
-        out = sorted({int(x) for x in s.split(",") if x.strip()})
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {s!r}") from e
-    if not out or out[0] < 1:
-        raise argparse.ArgumentTypeError(f"expected positive integers, got {s!r}")
-    return out
+def _ints(low: int) -> Callable[[str], list[int]]:
+    """An argparse type: comma-separated integers, each >= `low`, sorted and deduplicated."""
+    def parse(s: str) -> list[int]:
+        try:
+            out = sorted({int(x) for x in s.split(",") if x.strip()})
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {s!r}") from e
+        if not out or out[0] < low:
+            raise argparse.ArgumentTypeError(f"expected integers >= {low}, got {s!r}")
+        return out
+    return parse
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -63,7 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
     # NOTE: the engine's own flags, less those this command sets itself per batch size.
     add_cli_args(ap, EngineConfig, exclude=("budget_policy", "max_batch_size", "max_model_len",
                                             "kv_pages", "capture_sizes"))
-    ap.add_argument("--batch-sizes", type=_ints, default=[1, 2, 4, 8],
+    ap.add_argument("--batch-sizes", type=_ints(1), default=[1, 2, 4, 8],
                     help="comma-separated batch sizes, each captured and profiled")
     ap.add_argument("--steps", type=int, default=8, help="timed steps per batch size and path")
     ap.add_argument("--warmup", type=int, default=2, help="untimed steps before timing")
@@ -74,11 +88,16 @@ def build_parser() -> argparse.ArgumentParser:
                          "extra threads mostly spin)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--output", default="runs/profile/profile.json", help="JSON results")
-    ap.add_argument("--tune", action="store_true",
-                    help="measure every (batch size, budget) and write the budget policy")
-    ap.add_argument("--tune-budgets", type=_ints, default=[4, 8, 16, 32, 64])
-    ap.add_argument("--policy-out", default=str(DEFAULT_POLICY),
-                    help="where --tune writes the budget table")
+    ap.add_argument("--tune", action="store_true", help="measure every (greedy/sampled, batch "
+                    "size, budget) and write the budget policy")
+    ap.add_argument("--tune-budgets", type=_ints(0), default=[0, 2, 4, 8, 16, 32],
+                    help="budgets --tune tries (0: plain decoding through the same step)")
+    ap.add_argument("--tune-temperature", type=float, default=0.7,
+                    help="the temperature of the sampled table's measurements")
+    ap.add_argument("--tune-prompts", type=int, default=16,
+                    help="prompts each --tune measurement runs (in batches of its size)")
+    ap.add_argument("--policy-out", default=None, help="where --tune writes the budget tables "
+                    "(default: configs/budgets-<device>.toml, the engine's default there)")
     ap.add_argument("--no-progress", action="store_true")
     return ap
 
@@ -99,8 +118,9 @@ class Bench:
         target, drafter = self.models.target, self.models.drafter
         self.a = a
         self.block = drafter.c.block_size if drafter else 2
+        self.budget = DEFAULT_BUDGET if a.budget is None else a.budget
         budgets = a.tune_budgets if a.tune else []
-        top = StepShape(a.mode, max([a.budget, *budgets]), self.block, False)
+        top = StepShape(a.mode, max([self.budget, *budgets]), self.block, False)
         self.span = top.max_emit
         # every request holds its prompt plus every step a profile may run, warm-ups included
         self.tokens = a.prompt_len + (a.warmup + a.steps + 2) * self.span
@@ -114,30 +134,40 @@ class Bench:
             target_layers=c.num_hidden_layers, target_dim=c.kv_cache_dim,
             draft_layers=drafter.c.num_hidden_layers if drafter else 0,
             draft_dim=drafter.kv_dim if drafter else 0, dtype=dtype, device=device)
-        g = torch.Generator().manual_seed(a.seed)
-        self.prompts = torch.randint(0, c.vocab_size, (max(a.batch_sizes), a.prompt_len),
-                                     generator=g).tolist()
+        n = max(*a.batch_sizes, a.tune_prompts if a.tune else 1)
+        if (self.model_dir / "tiktoken.model").is_file():
+            from engine.tokenizer import Tokenizer
+            from engine.tools.corpus import held_out_prompts
+
+            tok = Tokenizer.from_dir(self.model_dir)
+            self.prompts = [tok.encode(t)[-a.prompt_len:] for t in held_out_prompts(n, a.seed)]
+        else:
+            g = torch.Generator().manual_seed(a.seed)
+            self.prompts = torch.randint(0, c.vocab_size, (n, a.prompt_len), generator=g).tolist()
 
     def shape(self, budget: int) -> StepShape:
         return StepShape(self.a.mode, budget, self.block, False)
 
-    def runner(self, sizes: list[int], budgets: dict[int, int] | None = None,
-               use_graphs: bool = False) -> StepGraphRunner:
-        return StepGraphRunner(self.models, self.pool, self.shape(self.a.budget),
+    def runner(self, sizes: list[int], budget: int, use_graphs: bool = False
+               ) -> StepGraphRunner:
+        budgets = {s: dict.fromkeys(sizes, budget) for s in (False, True)}
+        return StepGraphRunner(self.models, self.pool, self.shape(self.budget),
                                max_batch_size=max(sizes), max_pages=self.max_pages,
                                capture_sizes=sizes, use_graphs=use_graphs, budgets=budgets)
 
-    def requests(self, bs: int, runner: StepGraphRunner) -> list[Request]:
-        """`bs` prefilled requests on fresh pages (the pool is reused batch after batch)."""
+    def requests(self, bs: int, runner: StepGraphRunner, temperature: float, first: int = 0
+                 ) -> list[Request]:
+        """`bs` prefilled requests (prompts `first ..`) on fresh pages (the pool is reused batch
+        after batch)."""
         a = self.a
         # a fresh scheduler (and allocator) per batch: the pool is reused batch after batch
         sch = Scheduler(runner, num_pages=self.pool.num_pages, page_size=self.pool.page_size,
                         vocab_size=self.models.target.cfg.vocab_size, max_batch_size=bs,
                         max_model_len=self.tokens + self.span)
         reqs = []
-        for i in range(bs):
-            r = Request(i, list(self.prompts[i]), SamplingParams(
-                temperature=a.temperature, seed=a.seed + i, max_new_tokens=1 << 20))
+        for i in range(first, first + bs):
+            r = Request(i, list(self.prompts[i % len(self.prompts)]), SamplingParams(
+                temperature=temperature, seed=a.seed + i, max_new_tokens=1 << 20))
             r.output_ids += sch.prefill(r)
             sch._grow(r, self.tokens)
             reqs.append(r)
@@ -180,13 +210,14 @@ def _run(runner: StepGraphRunner, reqs: list[Request], warmup: int, steps: int,
             "emitted": emitted, "phases": dict(runner.timer.totals), "allreduce_s": comm}
 
 
-def profile_size(bench: Bench, bs: int, budget: int, graphs: bool, tel: Telemetry
-                 ) -> dict[str, Any]:
-    """Eager (phase-timed) and, on CUDA, captured runs of one batch size at one budget."""
+def profile_size(bench: Bench, bs: int, budget: int, graphs: bool, tel: Telemetry,
+                 temperature: float, first: int = 0) -> dict[str, Any]:
+    """Eager (phase-timed) and, on CUDA, captured runs of one batch size at one budget, over
+    prompts `first ..`."""
     a, dev = bench.a, bench.device
-    runner = bench.runner([bs], {bs: budget}, use_graphs=False)
+    runner = bench.runner([bs], budget, use_graphs=False)
     # NOTE: both runs start from this state with fresh coin streams, so they must agree.
-    start = _snapshot(bench.requests(bs, runner))
+    start = _snapshot(bench.requests(bs, runner, temperature, first))
     runner.timer = PhaseTimer(sync=dev.type == "cuda")
     tp = bench.models.tp
     if tp is not None:
@@ -195,7 +226,7 @@ def profile_size(bench: Bench, bs: int, budget: int, graphs: bool, tel: Telemetr
     if tp is not None:
         tp.timed = False
     row: dict[str, Any] = {
-        "batch_size": bs, "budget": runner.budgets[bs] if a.mode == "tree" else None,
+        "batch_size": bs, "budget": budget if a.mode == "tree" else None,
         "nodes": runner.shape.num_nodes,
         "eager_ms": eager["median_s"] * 1e3,
         "phase_ms": {k: eager["phases"].get(k, 0.0) * 1e3 / a.steps for k in (*PHASES, "host")},
@@ -207,10 +238,10 @@ def profile_size(bench: Bench, bs: int, budget: int, graphs: bool, tel: Telemetr
     }
     best = eager
     if graphs:
-        g = bench.runner([bs], {bs: budget}, use_graphs=True)
+        g = bench.runner([bs], budget, use_graphs=True)
         try:
             g.capture(progress=False)
-            stats = [g.capture_stats[(bs, s)] for s in (False, True)]
+            stats = list(g.capture_stats.values())
             row["capture_s"] = sum(s["seconds"] for s in stats)
             row["graph_bytes"] = sum(s["bytes"] for s in stats)
             with tel.sampler() as smp:
@@ -256,14 +287,32 @@ def tune(bench: Bench, graphs: bool, tel: Telemetry, progress: bool) -> list[dic
     from tqdm import tqdm
 
     a = bench.a
-    todo = [(bs, b) for bs in a.batch_sizes for b in a.tune_budgets]
+    todo = [(t, bs, b) for t in (0.0, a.tune_temperature) for bs in a.batch_sizes
+            for b in a.tune_budgets]
     out = []
-    for bs, b in tqdm(todo, desc="tuning budgets", disable=not progress):
-        r = profile_size(bench, bs, b, graphs, tel)
-        ms = r["replay_ms"] if r["replay_ms"] is not None else r["eager_ms"]
-        out.append({"batch_size": bs, "budget": b, "accept": r["tokens_per_step"],
-                    "step_ms": ms, "tokens_per_s": r["tokens_per_s"]})
+    for temperature, bs, b in tqdm(todo, desc="tuning budgets", disable=not progress):
+        # NOTE: every batch of the same prompts, so each budget sees the same text
+        runs = [profile_size(bench, bs, b, graphs, tel, temperature, first)
+                for first in range(0, max(a.tune_prompts, bs), bs)]
+        ms = statistics.mean(r["replay_ms"] if r["replay_ms"] is not None else r["eager_ms"]
+                             for r in runs)
+        tokens = sum(r["tokens_per_step"] * bs * a.steps for r in runs)
+        out.append({"sample": temperature > 0, "batch_size": bs, "budget": b,
+                    "accept": tokens / (len(runs) * bs * a.steps), "step_ms": ms,
+                    "tokens_per_s": tokens / sum(r["tokens_per_step"] * bs * a.steps /
+                                                 r["tokens_per_s"] for r in runs)})
     return out
+
+
+def best_budgets(tuned: list[dict[str, Any]]) -> dict[bool, dict[int, int]]:
+    """The budget of the most tokens per second at each (sampling, batch size)."""
+    best: dict[tuple[bool, int], dict[str, Any]] = {}
+    for m in tuned:
+        k = (m["sample"], m["batch_size"])
+        if k not in best or m["tokens_per_s"] > best[k]["tokens_per_s"]:
+            best[k] = m
+    return {s: {bs: m["budget"] for (s2, bs), m in sorted(best.items()) if s2 == s}
+            for s in (False, True)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -276,8 +325,11 @@ def main(argv: list[str] | None = None) -> int:
     if a.mode != "tree" and a.tune:
         print("error: --tune chooses tree budgets; use --mode tree", file=sys.stderr)
         return 2
-    if a.steps < 1 or a.prompt_len < 1 or a.budget < 1:
-        print("error: --steps, --prompt-len and --budget must be >= 1", file=sys.stderr)
+    if a.steps < 1 or a.prompt_len < 1:
+        print("error: --steps and --prompt-len must be >= 1", file=sys.stderr)
+        return 2
+    if a.tune and a.tune_temperature <= 0:
+        print("error: --tune-temperature must be > 0 (the sampled table)", file=sys.stderr)
         return 2
     try:
         device, dtype = resolve_device(cfg)
@@ -317,14 +369,14 @@ def _profile(a: argparse.Namespace, bench: Bench, device: torch.device, dtype: t
     rows = []
     try:
         for bs in tqdm(a.batch_sizes, desc="profiling batch sizes", disable=not progress):
-            rows.append(profile_size(bench, bs, a.budget, graphs, tel))
+            rows.append(profile_size(bench, bs, bench.budget, graphs, tel, a.temperature))
         tuned = tune(bench, graphs, tel, progress) if a.tune else []
     except CaptureError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     result: dict[str, Any] = {
         "model": str(bench.model_dir), "draft": str(bench.draft_dir) if bench.draft_dir else None,
-        "mode": a.mode, "budget": a.budget, "device": str(device), "dtype": str(dtype),
+        "mode": a.mode, "budget": bench.budget, "device": str(device), "dtype": str(dtype),
         "graphs": graphs, "note": None if graphs else NO_GRAPHS,
         "prompt_len": a.prompt_len, "steps": a.steps, "temperature": a.temperature,
         "torch": torch.__version__, "gpu": tel.static(), "results": rows,
@@ -335,17 +387,16 @@ def _profile(a: argparse.Namespace, bench: Bench, device: torch.device, dtype: t
     if bench.models.tp is not None:
         result["tp"] = bench.models.tp.world
     if a.tune:
-        best: dict[int, dict[str, Any]] = {}
-        for m in tuned:
-            if m["batch_size"] not in best or m["tokens_per_s"] > best[m["batch_size"]][
-                    "tokens_per_s"]:
-                best[m["batch_size"]] = m
-        policy = {bs: m["budget"] for bs, m in best.items()}
-        path = write_budgets(a.policy_out, policy, tuned, note=(
-            f"model {bench.model_dir}, drafter {bench.draft_dir}, {device} {dtype}, "
-            f"{'graph replay' if graphs else 'eager'} step time"))
+        policy = best_budgets(tuned)
+        path = write_budgets(a.policy_out or CONFIGS / f"budgets-{device.type}.toml", policy,
+                             tuned, note=(
+            f"model {bench.model_dir.name}, drafter {bench.draft_dir and bench.draft_dir.name}, "
+            f"{device} {dtype}, "
+            f"{torch.get_num_threads()} threads, {'graph replay' if graphs else 'eager'} step "
+            f"time, prompts of <= {a.prompt_len} tokens, sampled at T = {a.tune_temperature}"))
         result["tune"] = tuned
-        result["policy"] = {"path": str(path), "budgets": policy}
+        result["policy"] = {"path": str(path), "budgets": {
+            TABLES[k]: v for k, v in policy.items()}}
     out = Path(a.output)
     try:
         out.parent.mkdir(parents=True, exist_ok=True)

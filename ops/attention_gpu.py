@@ -472,13 +472,14 @@ def merge_states_flashinfer(o1: Tensor, lse1: Tensor, o2: Tensor, lse2: Tensor) 
     return v.view(*lead, H, D)
 
 
-def prefix_planner(backends: dict[int, FlashInferMLAPrefix]) -> Callable[[Tensor, Tensor], None]:
+def prefix_planner(backends: dict[tuple[int, int], FlashInferMLAPrefix]
+                   ) -> Callable[[Tensor, Tensor, int], None]:
     """A step runner's planner: before each step (and each capture), plan the backend of the
-    step's batch size from the host copies of the page table `[bs, W]` and context lengths
-    `[bs]` the step is about to read."""
+    step's (batch size, queries per row) from the host copies of the page table `[bs, W]` and
+    context lengths `[bs]` the step is about to read."""
 
-    def plan(page_table: Tensor, cache_len: Tensor) -> None:
-        backends[page_table.shape[0]].plan(page_table, cache_len)
+    def plan(page_table: Tensor, cache_len: Tensor, num_queries: int) -> None:
+        backends[(page_table.shape[0], num_queries)].plan(page_table, cache_len)
 
     return plan
 

@@ -213,8 +213,8 @@ def test_plan_hands_flashinfer_host_int32_metadata_by_keyword(fake_flashinfer):
     fi = _prefix()
     pt = torch.tensor([[7, 8, 9, 1], [0, 0, 0, 0], [3, 4, 5, 6]], dtype=torch.int64)
     ctx = torch.tensor([20, 0, 64], dtype=torch.int64)  # row 1: padding on the dummy page
-    plan = prefix_planner({3: fi})
-    plan(pt, ctx)
+    plan = prefix_planner({(3, 5): fi})
+    plan(pt, ctx, 5)
     ((args, kw),) = fi.wrapper.plans
     assert args == ()  # 0.7.4 deprecates positional plan() arguments
     md = kw.pop("metadata")

@@ -156,7 +156,7 @@ def test_capture_failure_names_the_knobs(models, monkeypatch):
     runner.use_graphs = True  # as on a GPU; the capture itself is stubbed below
     seen = []
 
-    def capture_one(bs, sample, mem_pool):
+    def capture_one(bs, shape, mem_pool):
         seen.append(bs)
         if bs == 4:
             raise RuntimeError("CUDA out of memory")
@@ -168,7 +168,7 @@ def test_capture_failure_names_the_knobs(models, monkeypatch):
         runner.capture(progress=False)
     msg = str(e.value)
     assert seen == [4], "the largest size is captured first"
-    for knob in ("batch size 4", "--max-batch-size", "budget 6", "--budget", "KV",
+    for knob in ("batch size 4", "--max-batch-size", "budgets 6/6", "--budget", "KV",
                  "out of memory"):
         assert knob in msg, (knob, msg)
 
@@ -180,8 +180,9 @@ def test_capture_order_and_stats_with_a_stub(models, monkeypatch):
     monkeypatch.setattr(runner, "_new_pool", lambda: "pool")
     monkeypatch.setattr(runner, "_capture_one", lambda bs, s, p: order.append((bs, s, p)))
     runner.capture(progress=False)
-    assert [(bs, s) for bs, s, _ in order] == [(4, False), (4, True), (2, False), (2, True),
-                                               (1, False), (1, True)]
+    # ar: the mixed and sampled kinds share one shape, so two graphs per size
+    assert [(bs, s.sample) for bs, s, _ in order] == [(4, False), (4, True), (2, False),
+                                                      (2, True), (1, False), (1, True)]
     assert {p for *_, p in order} == {"pool"}, "one shared memory pool"
     assert set(runner.capture_stats) == {(bs, s) for bs, s, _ in order}
 
@@ -193,41 +194,89 @@ def test_graphs_need_cuda(models):
 
 
 def test_budget_policy_roundtrip_and_spread(tmp_path):
-    p = write_budgets(tmp_path / "b.toml", {1: 32, 8: 16, 32: 4},
-                      measured=[dict(batch_size=1, budget=32, accept=2.5, step_ms=3.0,
-                                     tokens_per_s=800.0)], note="test")
-    assert load_budgets(p) == {1: 32, 8: 16, 32: 4}
+    policy = {False: {1: 32, 8: 16, 32: 4}, True: {1: 8, 8: 0}}
+    p = write_budgets(tmp_path / "b.toml", policy,
+                      measured=[dict(sample=False, batch_size=1, budget=32, accept=2.5,
+                                     step_ms=3.0, tokens_per_s=800.0)], note="test")
+    assert load_budgets(p) == policy
+    (tmp_path / "greedy.toml").write_text("[greedy]\n1 = 5\n4 = 0\n")
+    assert load_budgets(tmp_path / "greedy.toml") == {False: {1: 5, 4: 0}, True: {1: 5, 4: 0}}
     assert budgets_for_sizes({2: 20, 8: 10}, [1, 2, 4, 8, 16]) == {1: 20, 2: 20, 4: 20, 8: 10,
                                                                    16: 10}
-    (tmp_path / "bad.toml").write_text("[budgets]\n4 = 0\n")
-    with pytest.raises(PolicyError, match="4 = 0"):
-        load_budgets(tmp_path / "bad.toml")
-    (tmp_path / "none.toml").write_text("x = 1\n")
-    with pytest.raises(PolicyError, match="budgets"):
+    for text, match in [("[greedy]\n4 = -1\n", "4 = -1"), ("[greedy]\nx = 1\n", "'x'"),
+                        ("x = 1\n", "unknown tables"), ("[sampled]\n1 = 2\n", r"\[greedy\]"),
+                        ("[greedy\n", "not valid TOML")]:
+        (tmp_path / "bad.toml").write_text(text)
+        with pytest.raises(PolicyError, match=match):
+            load_budgets(tmp_path / "bad.toml")
+    with pytest.raises(PolicyError, match="not found"):
         load_budgets(tmp_path / "none.toml")
 
 
 def test_runner_with_budget_policy(models):
     shape = StepShape("tree", 6, BLOCK, False)
     pool = make_pool(models)
-    runner = runner_for(models, pool, shape, [1, 2, 4], budgets={1: 12, 4: 3})
-    assert runner.budgets == {1: 12, 2: 12, 4: 3}
+    runner = runner_for(models, pool, shape, [1, 2, 4],
+                        budgets={False: {1: 12, 4: 3}, True: {1: 5, 4: 0}})
+    assert runner.budgets == {(1, False): 12, (2, False): 12, (4, False): 3,
+                              (1, True): 5, (2, True): 5, (4, True): 0}
+    # one set of buffers per size, as wide as its widest shape
     assert runner.buffers[1].coins.shape[1] == 13 and runner.buffers[4].coins.shape[1] == 4
     assert runner.shape.max_emit == max(s.max_emit for s in runner.shapes.values())
-    reqs = prefilled(models, pool, shape, PROMPTS, _params(False))
-    emitted, accepted = step(runner, reqs)  # padded to 4: budget 3
-    assert len(emitted) == 3 and all(len(e) == a + 1 for e, a in zip(emitted, accepted))
+    # a few sampled rows among greedy ones keep the greedy budget; half or more, the sampled one
+    greedy, hot = SamplingParams(), SamplingParams(temperature=0.8)
+    assert [runner.kind(ps) for ps in ([greedy] * 3, [hot] + [greedy] * 3, [hot, greedy])] == [
+        "greedy", "mixed", "sampled"]
+    assert runner.shapes[(4, "mixed")] == StepShape("tree", 3, BLOCK, True)
+    assert runner.coins_per_row(3) == 5  # the widest sampling tree at size 4: budget 3
+    for sample in (False, True):
+        reqs = prefilled(models, pool, shape, PROMPTS, _params(sample))
+        emitted, accepted = step(runner, reqs, pad=False)  # size 4: budget 3, or 0 sampled
+        assert len(emitted) == 3 and all(len(e) == a + 1 for e, a in zip(emitted, accepted))
+        if sample:
+            assert accepted == [0, 0, 0]
     # no policy: one budget everywhere (the default behaviour)
     plain = runner_for(models, pool, shape, [1, 2, 4])
     assert set(plain.budgets.values()) == {6}
     # chain and ar ignore budgets
     assert set(runner_for(models, pool, StepShape("chain", 1, BLOCK, False), [1, 2],
-                          budgets={1: 9}).budgets.values()) == {1}
+                          budgets={False: {1: 9}, True: {1: 9}}).budgets.values()) == {1}
+
+
+def test_budget_zero_is_plain_decoding_that_feeds_the_drafter(models):
+    """A tree of budget 0 emits exactly what `ar` emits, one token a step, and (unlike `ar`)
+    writes the drafter's context rows of every committed token, as a prefill would: a request
+    can draft again when its batch shrinks to a size with a budget."""
+    base = make_pool(models)
+    reqs = prefilled(models, base, StepShape("tree", 6, BLOCK, False), PROMPTS, _params(False),
+                     steps=4)
+    runs = {}
+    for mode in ("tree", "ar"):
+        pool, done = clone_pool(base), fresh_copies(reqs)
+        rec = run_steps(runner_for(models, pool, StepShape(mode, 0, BLOCK, False), [3]), done, 4,
+                        pad=False)
+        runs[mode] = (pool, done, rec)
+    (pool0, done, zero), (pool_ar, _, ar) = runs["tree"], runs["ar"]
+    assert zero.emitted == ar.emitted and {a for acc in zero.accepted for a in acc} == {0}
+    real = request_slots(reqs, PAGE)
+    torch.testing.assert_close(pool0.target[:, real], pool_ar.target[:, real], **ULPS)
+    for r in done:
+        ref = make_pool(models)
+        spec.prefill(models, ref, r.prompt_ids + r.output_ids[:-1], r.pages)
+        slots = request_slots([r], PAGE)[:r.cache_len]
+        torch.testing.assert_close(pool0.draft[:, slots], ref.draft[:, slots], **ULPS)
+        fed = slots[len(r.prompt_ids):]
+        assert fed.numel() == 4 and not torch.equal(pool_ar.draft[:, fed], ref.draft[:, fed])
 
 
 def test_shipped_budget_policy_reads():
-    policy = load_budgets()  # configs/budgets.toml
-    assert policy and all(b >= 1 for b in policy.values())
+    from engine.policy import default_policy
+
+    path = default_policy("cpu")  # configs/budgets-cpu.toml, measured
+    assert path is not None
+    policy = load_budgets(path)
+    assert policy[False] and policy[True]
+    assert all(b >= 0 for t in policy.values() for b in t.values())
 
 
 def test_planner_runs_outside_the_step_with_the_loaded_host_inputs(models):
@@ -235,14 +284,15 @@ def test_planner_runs_outside_the_step_with_the_loaded_host_inputs(models):
     pool = make_pool(models)
     calls = []
 
-    def planner(page_table, cache_len):
-        calls.append((page_table.device.type, page_table[:, 0].tolist(), cache_len.tolist()))
+    def planner(page_table, cache_len, num_queries):
+        calls.append((page_table.device.type, page_table[:, 0].tolist(), cache_len.tolist(),
+                      num_queries))
 
     runner = runner_for(models, pool, shape, [4], planner=planner)
     reqs = prefilled(models, pool, shape, PROMPTS, _params(False))
     step(runner, reqs)
     assert calls == [("cpu", [r.pages[0] for r in reqs] + [DUMMY_PAGE],
-                      [r.cache_len for r in reqs] + [0])]
+                      [r.cache_len for r in reqs] + [0], 7)]
 
 
 def test_llm_budget_policy_keeps_greedy_output(tmp_path, monkeypatch):
@@ -252,18 +302,19 @@ def test_llm_budget_policy_keeps_greedy_output(tmp_path, monkeypatch):
 
     target, draft = write_pair(tmp_path)
     policy = tmp_path / "budgets.toml"
-    write_budgets(policy, {1: 3, 2: 9})
+    write_budgets(policy, {False: {1: 3, 2: 0}, True: {1: 0, 2: 2}})
     prompts = [[5, 6, 7], list(range(20, 45)), [9] * 11]
     params = SamplingParams(max_new_tokens=12, ignore_eos=True)
     ar = LLM(target, mode="ar", max_batch_size=2, progress=False).generate(prompts, params)
     use_oracle(monkeypatch)
-    llm = LLM(target, draft, mode="tree", budget=5, max_batch_size=2, budget_policy=str(policy),
+    llm = LLM(target, draft, mode="tree", max_batch_size=2, budget_policy=str(policy),
               progress=False)
-    assert llm.runner.budgets == {1: 3, 2: 9}
-    assert [llm.runner.shapes[(bs, False)].num_nodes for bs in (1, 2)] == [4, 10]
+    assert llm.runner.budgets == {(1, False): 3, (2, False): 0, (1, True): 0, (2, True): 2}
+    assert [llm.runner.shapes[(bs, "greedy")].num_nodes for bs in (1, 2)] == [4, 1]
+    # the third request runs alone (budget 3) after two in a pair (budget 0)
     tree = llm.generate(prompts, params)
     assert [o.token_ids for o in tree] == [o.token_ids for o in ar]
-    assert llm.stats["mean_accept_len"] > 1.5
+    assert llm.stats["mean_accept_len"] > 1.2
 
 
 # ---- live work at fixed shapes: paged attention, experts over aligned blocks ------------------

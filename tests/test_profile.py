@@ -49,14 +49,16 @@ def test_profile_main_writes_json_and_table(tmp_path, capsys):
 def test_profile_tune_writes_the_budget_policy(tmp_path, capsys):
     policy = tmp_path / "budgets.toml"
     rc = _profile(tmp_path, "--batch-sizes", "1,2", "--budget", "4", "--steps", "1",
-                  "--warmup", "0", "--prompt-len", "5", "--tune", "--tune-budgets", "2,5",
+                  "--warmup", "0", "--prompt-len", "5", "--tune", "--tune-budgets", "0,5",
                   "--policy-out", str(policy), "--output", str(tmp_path / "p.json"))
     assert rc == 0
     budgets = load_budgets(policy)
-    assert set(budgets) == {1, 2} and set(budgets.values()) <= {2, 5}
+    assert set(budgets) == {False, True}
+    for table in budgets.values():
+        assert set(table) == {1, 2} and set(table.values()) <= {0, 5}
     res = json.loads((tmp_path / "p.json").read_text())
-    assert {(t["batch_size"], t["budget"]) for t in res["tune"]} == {(1, 2), (1, 5), (2, 2),
-                                                                     (2, 5)}
+    assert {(t["sample"], t["batch_size"], t["budget"]) for t in res["tune"]} == {
+        (s, bs, b) for s in (False, True) for bs in (1, 2) for b in (0, 5)}
     assert "measured" in policy.read_text()
 
 

@@ -30,6 +30,7 @@ class ServeConfig:
 
 
 def main(argv: list[str] | None = None) -> None:
+    import torch
     import uvicorn
 
     from engine.dist import PeerLost
@@ -46,14 +47,20 @@ def main(argv: list[str] | None = None) -> None:
     except ValidationError as e:
         p.error(error_text(e))
     logging.basicConfig(level=cfg.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    # NOTE: torch's CPU thread team belongs to the thread that first runs parallel work, and a
+    # second team (the engine thread's) beside the main thread's makes each step 2-3x slower on a
+    # small machine: the main thread loads at one thread, the engine thread gets the rest.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
     llm = LLM(config=engine)
     if not llm.is_leader:  # tensor-parallel ranks > 0 run rank 0's model calls until it stops
+        torch.set_num_threads(threads)
         try:
             return llm.close()
         except PeerLost as e:
             sys.exit(f"error: {e}")
     name = cfg.served_model_name or llm.model_dir.resolve().name
-    app = build_app(llm, name, cfg.max_queue)
+    app = build_app(llm, name, cfg.max_queue, threads)
     log.info("serving %r on http://%s:%d (max_model_len %d, %d KV pages)", name, cfg.host,
              cfg.port, llm.max_model_len, llm.scheduler.alloc.capacity)
     try:

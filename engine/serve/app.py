@@ -35,9 +35,10 @@ Body = api.CompletionRequest | api.ChatRequest
 class Server:
     """HTTP-side state: the engine, the served name, admission."""
 
-    def __init__(self, llm: LLM, served_model_name: str, max_queue: int = 256):
+    def __init__(self, llm: LLM, served_model_name: str, max_queue: int = 256,
+                 threads: int | None = None):
         self.llm, self.name, self.max_queue = llm, served_model_name, max_queue
-        self.engine = Engine(llm)
+        self.engine = Engine(llm, threads)
         self.created = int(time.time())
         self.active = 0  # requests submitted and not yet closed (event-loop thread only)
         self.engine.metrics.queue_depth.set_function(lambda: max(self.engine.snapshot["waiting"],
@@ -149,8 +150,9 @@ def _sse(obj: dict[str, Any]) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
 
-def build_app(llm: LLM, served_model_name: str, max_queue: int = 256) -> FastAPI:
-    srv = Server(llm, served_model_name, max_queue)
+def build_app(llm: LLM, served_model_name: str, max_queue: int = 256,
+              threads: int | None = None) -> FastAPI:
+    srv = Server(llm, served_model_name, max_queue, threads)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

@@ -14,6 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 from fastapi import Request
 
 from engine.dist import PeerLost
@@ -57,8 +58,9 @@ class Engine:
     """`start` and `stop` from the event loop (the app's lifespan); `submit` and `abort` from
     handlers."""
 
-    def __init__(self, llm: LLM):
+    def __init__(self, llm: LLM, threads: int | None = None):
         self.llm, self.sched = llm, llm.scheduler
+        self.threads = threads or torch.get_num_threads()  # the step thread's torch threads
         self.metrics = Metrics(self.sched.step_span)
         self.fatal: str | None = None  # why the engine stopped for good (tensor parallelism)
         self.snapshot: dict[str, int] = {}  # NOTE: replaced whole, never half-updated
@@ -92,7 +94,7 @@ class Engine:
         loop = asyncio.get_running_loop()
         # NOTE: one thread for every step, so the scheduler and the models only ever run there
         # or here, never both at once (this task awaits each step before touching them again).
-        with ThreadPoolExecutor(1, thread_name_prefix="engine") as steps:
+        with ThreadPoolExecutor(1, "engine", torch.set_num_threads, (self.threads,)) as steps:
             while True:
                 if not self._todo and not self.sched.has_work:
                     await self._wake.wait()
