@@ -329,13 +329,15 @@ CONFIGS = [  # temperature, top_k, top_p
 DRAWS = 20_000
 
 
-def sampled_batch(config_id: int) -> tuple[DDTree, PathTarget, Decision, torch.Generator]:
-    """One random tree, `DRAWS` copies with independent coins, decided by `tree_sample`."""
-    g = torch.Generator().manual_seed(1000 + config_id)
+def sampled_batch(config_id: int, seed: int = 1000, target: PathTarget | None = None
+                  ) -> tuple[DDTree, PathTarget, Decision, torch.Generator]:
+    """One random tree, `DRAWS` copies with independent coins, decided by `tree_sample` (against
+    `target`, by default a `PathTarget` of the config)."""
+    g = torch.Generator().manual_seed(seed + config_id)
     vocab = 8 + config_id % 5
     depth = 2 + config_id % 3
     budget = 4 + 3 * config_id
-    target = PathTarget(vocab, *CONFIGS[config_id], seed=config_id)
+    target = target or PathTarget(vocab, *CONFIGS[config_id], seed=config_id)
     # A drafter that roughly knows the target along its greedy path, so that the walk goes deep.
     rows, prefix = [], ()
     for _ in range(depth):
@@ -570,28 +572,10 @@ def test_known_answer_on_the_bounded_path(top_k: int, top_p: float, bound: int) 
 def test_bounded_path_with_fallback_keeps_the_decide_exact(config_id: int) -> None:
     # As sampled_batch, with every target row from the bounded path at bound 2: top-k 5 and 6
     # overflow it, and so do most nuclei of top-p 0.8 / 0.9 at these temperatures.
-    g = torch.Generator().manual_seed(2000 + config_id)
-    vocab = 8 + config_id % 5
-    depth = 2 + config_id % 3
-    budget = 4 + 3 * config_id
-    target = BoundedPathTarget(vocab, *CONFIGS[config_id], seed=config_id, bound=2)
-    rows, prefix = [], ()
-    for _ in range(depth):
-        q = target(prefix)
-        rows.append(torch.log(q + 1e-2) + torch.randn(vocab, generator=g))
-        prefix = prefix + (int(q.argmax()),)
+    target = BoundedPathTarget(8 + config_id % 5, *CONFIGS[config_id], seed=config_id, bound=2)
     assert int((target(()) > 0).sum()) > 2, "the root row must need the fallback"
-    tree = build_ddtree(torch.stack(rows)[None], budget, torch.zeros(1))
-    probs = target.rows(tree)
-    n = budget + 1
-    out = tree_sample(
-        tree.tokens.expand(DRAWS, n),
-        tree.next_token.expand(DRAWS, n),
-        tree.next_sibling.expand(DRAWS, n),
-        probs.expand(DRAWS, n, vocab),
-        torch.rand(DRAWS, n, generator=g),
-        torch.rand(DRAWS, generator=g),
-    )
+    _, _, out, g = sampled_batch(config_id, 2000, target)
+    vocab = target.vocab
     q_root = target(())
     first = out.emit[:, 0]
     assert chi2_ok(torch.bincount(first, minlength=vocab), q_root)
