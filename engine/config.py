@@ -433,11 +433,6 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0 or self.top_k == 1
 
-    @property
-    def truncates(self) -> bool:
-        """Keeps only part of the vocabulary: top-k, top-p, or greedy (run as top-k 1)."""
-        return self.greedy or self.top_k > 0 or self.top_p < 1.0
-
 
 @checked_dataclass(frozen=True, config=_STRICT)
 class EngineConfig:

@@ -111,11 +111,12 @@ class LLM:
         block = drafter.c.block_size if drafter else 2
         shape = StepShape(cfg.mode, DEFAULT_BUDGET if cfg.budget is None else cfg.budget, block,
                           sample=False)
-        self.budget_policy = policy = None if cfg.budget is not None or cfg.mode != "tree" else (
+        policy = None if cfg.budget is not None or cfg.mode != "tree" else (
             cfg.budget_policy or default_policy(device.type))
         budgets = load_budgets(policy) if policy else None
-        # NOTE: the page table must cover the step that can emit the most, whatever its size.
-        most = max([shape.budget, *(b for t in (budgets or {}).values() for b in t.values())])
+        # NOTE: the page table must cover the step that can emit the most, whatever its size
+        # (a policy sets every size's budgets).
+        most = max(b for t in budgets.values() for b in t.values()) if budgets else shape.budget
         widest = StepShape(cfg.mode, most, block, False)
         self.max_model_len = cfg.max_model_len or mc.max_position_embeddings
         max_pages = pages_needed(self.max_model_len + widest.max_emit, cfg.page_size)

@@ -252,12 +252,11 @@ class StepGraphRunner:
             return None
         if p.greedy:
             return int(logits[0, -1].argmax())
-        dev, path = logits.device, row_path(max(p.top_k, 0), p.top_p, logits.shape[-1])
+        dev, (top_k, top_p) = logits.device, _cut(p)
         probs = target_probs(logits[:, -1], torch.tensor([float(p.temperature)], device=dev),
-                             torch.tensor([max(p.top_k, 0)], device=dev),
-                             torch.tensor([float(p.top_p)], device=dev),
-                             topk_rows=int(path in ("bounded", "sort")),
-                             sort_rows=int(path == "sort"))
+                             torch.tensor([top_k], device=dev),
+                             torch.tensor([float(top_p)], device=dev),
+                             **_promises([p], logits.shape[-1]))
         return int(sample_from_probs(probs, torch.tensor([inp.coin], device=dev))[0])
 
     def load(self, inp: StepInputs, pad: bool = False) -> tuple[StepBuffers, StepShape, int]:
@@ -273,12 +272,7 @@ class StepGraphRunner:
         if shape.sample and not self.use_graphs:
             # Eager: truncate only the rows that ask for it, and sort the vocabulary only for
             # rows whose cut may not fit in a bounded top-k.
-            vocab = self.models.target.cfg.vocab_size
-            paths = [row_path(1 if p.greedy else max(p.top_k, 0), 1.0 if p.greedy else p.top_p,
-                              vocab) for p in inp.params]
-            shape = replace(shape, filtered=any(p.truncates for p in inp.params),
-                            topk_rows=sum(x in ("bounded", "sort") for x in paths),
-                            sort_rows=sum(x == "sort" for x in paths))
+            shape = replace(shape, **_promises(inp.params, self.models.target.cfg.vocab_size))
         width = self.max_pages
         if not self.use_graphs:
             # Eager: gather only as much context as this batch has (a graph needs the full
@@ -298,8 +292,8 @@ class StepGraphRunner:
         host["anchor"][:b] = torch.tensor(inp.anchor)
         host["cache_len"][:b] = torch.tensor(inp.cache_len)
         host["temperature"][:b] = torch.tensor([1.0 if x.greedy else x.temperature for x in p])
-        host["top_k"][:b] = torch.tensor([1 if x.greedy else max(x.top_k, 0) for x in p])
-        host["top_p"][:b] = torch.tensor([1.0 if x.greedy else x.top_p for x in p])
+        host["top_k"][:b] = torch.tensor([_cut(x)[0] for x in p])
+        host["top_p"][:b] = torch.tensor([_cut(x)[1] for x in p])
         if shape.sample:  # a greedy step reads no coins
             host["coins"][:b, :N] = coins[:, :N]
             host["final_coins"][:b] = coins[:, N]
@@ -335,6 +329,20 @@ class StepGraphRunner:
         accept = out[:, 0].tolist()
         emit = out[:, 1:].tolist()
         return [e[: a + 1] for e, a in zip(emit, accept)], accept
+
+
+def _cut(p: SamplingParams) -> tuple[int, float]:
+    """A row's `(top_k, top_p)` as the step reads them (top-k off: 0); greedy is top-k 1."""
+    return (1, 1.0) if p.greedy else (max(p.top_k, 0), p.top_p)
+
+
+def _promises(params: Sequence[SamplingParams], vocab: int) -> dict[str, Any]:
+    """What an eager step can promise `target_probs` about its rows (`ops.sampling.row_path`):
+    whether any row truncates, how many need a top-k, how many may need the full sort."""
+    paths = [row_path(*_cut(p), vocab) for p in params]
+    return {"filtered": any(x != "plain" for x in paths),
+            "topk_rows": sum(x in ("bounded", "sort") for x in paths),
+            "sort_rows": sum(x == "sort" for x in paths)}
 
 
 def _pad(inputs: dict[str, Tensor], start: int) -> None:
