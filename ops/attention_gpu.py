@@ -90,16 +90,6 @@ class MLADevice:
         return SMEM_BY_SM.get(self.sm)
 
 
-@dataclass(frozen=True)
-class Workload:
-    """What the plan-time checks that depend on the batch read (None skips a check)."""
-
-    num_heads: int | None = None
-    num_queries: int | None = None
-    batch_size: int | None = None
-    workspace_bytes: int | None = None
-
-
 def _as_device(sm: int | tuple[int, int] | MLADevice) -> MLADevice:
     if isinstance(sm, MLADevice):
         return sm
@@ -149,23 +139,30 @@ def fa_work_items_bound(batch_size: int, num_queries: int, num_heads: int, num_s
     return tiles + num_sms // cluster
 
 
-def mla_workspace_bytes(kv_lora_rank: int, num_sms: int) -> int:
-    """Float workspace the fa2/fa3 MLA wrapper needs on a GPU with `num_sms` SMs, rounded up to
-    a MiB: the partial outputs (fp16/bf16) and partial LSEs (fp32) of the split-KV merge."""
+def _fa_workspace_need(kv_lora_rank: int, num_sms: int) -> int:
+    """The float workspace bytes flashinfer 0.7.4's preflight requires of the fa2/fa3 MLA
+    wrapper (_fa_common.py:909-928): the partial outputs (fp16/bf16) and partial LSEs (fp32)
+    of the split-KV merge."""
     # NOTE: scheduler.cuh MLAPlan (flashinfer 0.7.4 data/include/flashinfer/attention/
     # scheduler.cuh:1882-1885) allocates 2 * num_clusters * cluster_tile_q rows of
     # `2 * head_dim_o` bytes (mla_partial_o) and 4 bytes (mla_partial_lse), each 16-aligned;
-    # num_clusters * cluster_tile_q <= num_sms * 64 for cluster size 1 or 2, and 0.7.4 refuses a
-    # smaller buffer in preflight (_fa_common.py:909-928). H200 (132 SMs), rank 512: 17.4 MB.
-    rows = 2 * num_sms * FA_TILE_Q
-    need = rows * (2 * kv_lora_rank + 4) + 2 * 16
+    # num_clusters * cluster_tile_q <= num_sms * 64 for cluster size 1 or 2.
+    return 2 * num_sms * FA_TILE_Q * (2 * kv_lora_rank + 4)
+
+
+def mla_workspace_bytes(kv_lora_rank: int, num_sms: int) -> int:
+    """Float workspace the fa2/fa3 MLA wrapper needs on a GPU with `num_sms` SMs (with room for
+    the two 16-byte alignments), rounded up to a MiB. H200 (132 SMs), rank 512: 17.4 MB."""
+    need = _fa_workspace_need(kv_lora_rank, num_sms) + 2 * 16
     return -(-need // (1 << 20)) << 20
 
 
-def _fa_problems(name: str, ckv: int, kpe: int, dtype: torch.dtype, dev: MLADevice,
-                 work: Workload) -> list[str]:
+def _fa_problems(name: str, ckv: int, kpe: int, dtype: torch.dtype, dev: MLADevice, *,
+                 num_heads: int | None, num_queries: int | None, batch_size: int | None,
+                 workspace_bytes: int | None) -> list[str]:
     """flashinfer 0.7.4 `_validate_generated_fa_plan` (_fa_common.py:102-218), the work-item
-    bound (`_validate_fa_plan_workload`, :362-384) and the workspace preflight (:909-928)."""
+    bound (`_validate_fa_plan_workload`, :362-384) and the workspace preflight (:909-928);
+    a workload keyword that is None skips the check that reads it."""
     out = []
     if dtype not in (torch.float16, torch.bfloat16):
         out.append(f"needs fp16/bf16 queries and KV, got {dtype}")
@@ -189,17 +186,16 @@ def _fa_problems(name: str, ckv: int, kpe: int, dtype: torch.dtype, dev: MLADevi
         elif need > smem[1]:
             out.append(f"needs {need} shared-memory bytes per block for {ckv}/{kpe}, "
                        f"the GPU allows {smem[1]}")
-    if dev.num_sms is not None and work.batch_size and work.num_queries and work.num_heads:
-        items = fa_work_items_bound(work.batch_size, work.num_queries, work.num_heads,
-                                    dev.num_sms)
+    if dev.num_sms is not None and batch_size and num_queries and num_heads:
+        items = fa_work_items_bound(batch_size, num_queries, num_heads, dev.num_sms)
         if items > FA_MAX_WORK_ITEMS:
-            out.append(f"plans up to {items} work items for {work.batch_size} x "
-                       f"{work.num_queries} queries x {work.num_heads} heads; the kernel "
+            out.append(f"plans up to {items} work items for {batch_size} x "
+                       f"{num_queries} queries x {num_heads} heads; the kernel "
                        f"holds {FA_MAX_WORK_ITEMS}")
-    if dev.num_sms is not None and work.workspace_bytes is not None:
-        need = 2 * dev.num_sms * FA_TILE_Q * (2 * ckv + 4)  # see mla_workspace_bytes
-        if work.workspace_bytes < need:
-            out.append(f"needs {need} float workspace bytes, got {work.workspace_bytes}")
+    if dev.num_sms is not None and workspace_bytes is not None:
+        need = _fa_workspace_need(ckv, dev.num_sms)
+        if workspace_bytes < need:
+            out.append(f"needs {need} float workspace bytes, got {workspace_bytes}")
     return out
 
 
@@ -305,12 +301,13 @@ def mla_backend_rejections(kv_lora_rank: int, rope_dim: int, dtype: torch.dtype,
     SM90 and fa2 on SM80, SM100 and SM12x.
     """
     dev = _as_device(sm)
-    work = Workload(num_heads, num_queries, batch_size, workspace_bytes)
     names = auto_order(dev) if backend == "auto" else (backend,)
     out = {}
     for name in names:
         if name in ("fa2", "fa3"):
-            out[name] = _fa_problems(name, kv_lora_rank, rope_dim, dtype, dev, work)
+            out[name] = _fa_problems(name, kv_lora_rank, rope_dim, dtype, dev,
+                                     num_heads=num_heads, num_queries=num_queries,
+                                     batch_size=batch_size, workspace_bytes=workspace_bytes)
         else:
             out[name] = _other_problems(name, kv_lora_rank, rope_dim, dtype, dev, num_queries)
     return out
@@ -365,8 +362,7 @@ class FlashInferMLAPrefix:
 
     def __init__(self, bs: int, num_queries: int, max_pages: int, page_size: int,
                  num_heads: int, kv_lora_rank: int, rope_dim: int, scale: float,
-                 dtype: torch.dtype, device: torch.device | str = "cuda",
-                 workspace_bytes: int | None = None, backend: str = "auto",
+                 dtype: torch.dtype, device: torch.device | str = "cuda", backend: str = "auto",
                  workspace: Tensor | None = None, device_facts: MLADevice | None = None):
         import flashinfer  # lazy: the optional `gpu` extra
 
@@ -384,8 +380,6 @@ class FlashInferMLAPrefix:
         self.scale, self.dtype, self.max_pages = float(scale), dtype, max_pages
         if workspace is not None:
             nbytes = workspace.numel() * workspace.element_size()
-        elif workspace_bytes is not None:
-            nbytes = workspace_bytes
         else:
             nbytes = mla_workspace_bytes(kv_lora_rank, facts.num_sms or MAX_SMS)
         check: dict[str, Any] = dict(backend=backend, num_heads=num_heads,

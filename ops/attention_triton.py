@@ -244,9 +244,9 @@ def kv_splits(bs: int, programs_per_split: int, capacity: int, block_n: int,
 
 def fwd_meta(
     dtype: torch.dtype, device_type: str, *, rows: int, group: int, page_size: int, da: int,
-    db: int, dv: int, v_is_a: bool, block_m: int | None = None, block_n: int | None = None,
+    db: int, dv: int, v_is_a: bool, block_n: int | None = None,
 ) -> tuple[dict[str, Any], int]:
-    """The constexprs of `_paged_attn_fwd` and the default `num_warps` for a cache of `dtype`
+    """The constexprs of `_paged_attn_fwd` and the `num_warps` for a cache of `dtype`
     on `device_type`, `rows = M * G` query rows per KV head, part widths `da`, `db` (0: none),
     value width `dv` (shared by the launchers and the sm_90 compile test)."""
     bm_max, bn, warps = tile_config(dtype, dv)
@@ -259,7 +259,7 @@ def fwd_meta(
         dot_t, prec = _TL_DTYPES[dtype], "tf32"
     meta = dict(
         G=group, PAGE_SIZE=page_size, DA=da, DB=db, DV=dv,
-        BLOCK_M=block_m or pow2_tile(rows, hi=bm_max), BLOCK_N=block_n or bn,
+        BLOCK_M=pow2_tile(rows, hi=bm_max), BLOCK_N=block_n or bn,
         BLOCK_DA=pow2_tile(da), BLOCK_DB=pow2_tile(max(db, 1)), BLOCK_DV=pow2_tile(dv),
         HAS_B=db > 0, V_IS_A=v_is_a, DOT_T=dot_t, DOT_PREC=prec)
     return meta, warps
@@ -268,8 +268,7 @@ def fwd_meta(
 def _paged_attention(
     qa: Tensor, qb: Tensor | None, cache: Tensor, page_table: Tensor, ctx_len: Tensor,
     page_size: int, scale: float, *, kv_heads: int, a_off: int, b_off: int, v_off: int,
-    head_stride: int, dv: int, v_is_a: bool, num_splits: int | None, block_m: int | None,
-    block_n: int | None, num_warps: int | None, num_stages: int | None,
+    head_stride: int, dv: int, v_is_a: bool, num_splits: int | None, block_n: int | None,
 ) -> tuple[Tensor, Tensor]:
     """Shared launcher: `qa [bs, M, NH, DA]`, optional `qb [bs, M, NH, DB]` -> output
     `[bs, M, NH, dv]` fp32 and LSE `[bs, M, NH]` fp32 (natural log)."""
@@ -292,21 +291,18 @@ def _paged_attention(
     dev = qa.device
     meta, warps = fwd_meta(cache.dtype, dev.type, rows=M * G, group=G, page_size=page_size,
                            da=DA, db=qb.shape[-1] if qb is not None else 0, dv=dv,
-                           v_is_a=v_is_a, block_m=block_m, block_n=block_n)
+                           v_is_a=v_is_a, block_n=block_n)
     row_tiles = -(-(M * G) // meta["BLOCK_M"])
     S, chunk = kv_splits(bs, kv_heads * row_tiles, W * page_size, meta["BLOCK_N"], num_splits)
     part = torch.empty(S, bs, M, NH, dv, dtype=torch.float32, device=dev)
     plse = torch.empty(S, bs, M, NH, dtype=torch.float32, device=dev)
     qb_ = qb if qb is not None else qa
-    launch = dict(num_warps=num_warps or warps)
-    if num_stages is not None:
-        launch["num_stages"] = num_stages
     _kernel_for(_paged_attn_fwd, dev)[(kv_heads * row_tiles, bs, S)](
         qa, qb_, cache, page_table, ctx_len, part, plse,
         qa.stride(0), qa.stride(1), qa.stride(2), qb_.stride(0), qb_.stride(1), qb_.stride(2),
         cache.stride(0), page_table.stride(0), page_table.stride(1),
         M, NH, W, bs, chunk, scale * LOG2E,
-        a_off, b_off, v_off, head_stride, **meta, **launch)
+        a_off, b_off, v_off, head_stride, **meta, num_warps=warps)
     if S == 1:
         return part[0], plse[0]
     out = torch.empty(bs, M, NH, dv, dtype=torch.float32, device=dev)
@@ -322,8 +318,7 @@ def _paged_attention(
 
 def mla_prefix_attention(
     q_lat: Tensor, q_pe: Tensor, kv_cache: Tensor, page_table: Tensor, ctx_len: Tensor,
-    page_size: int, scale: float, *, num_splits: int | None = None, block_m: int | None = None,
-    block_n: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
+    page_size: int, scale: float, *, num_splits: int | None = None, block_n: int | None = None,
 ) -> tuple[Tensor, Tensor]:
     """`ops.attention.prefix_attention` read through the page table, work bounded by `ctx_len`.
 
@@ -332,7 +327,7 @@ def mla_prefix_attention(
     int32/int64, `ctx_len [bs]` int32/int64 (keys are positions `< min(ctx_len, W *
     page_size)`). Returns the latent output `[bs, Q, H, R]` fp32 and LSE `[bs, Q, H]` fp32
     (natural log); rows with no key give output 0 and LSE -inf. The keyword-only knobs
-    override the shape-derived split count and tiles (tests, tuning).
+    override the shape-derived split count and key tile `BLOCK_N` (tests).
     """
     R, P = q_lat.shape[-1], q_pe.shape[-1]
     if kv_cache.shape[-1] != R + P:
@@ -340,13 +335,12 @@ def mla_prefix_attention(
     return _paged_attention(
         q_lat, q_pe, kv_cache, page_table, ctx_len, page_size, scale, kv_heads=1, a_off=0,
         b_off=R, v_off=0, head_stride=0, dv=R, v_is_a=True, num_splits=num_splits,
-        block_m=block_m, block_n=block_n, num_warps=num_warps, num_stages=num_stages)
+        block_n=block_n)
 
 
 def draft_context_attention(
     q: Tensor, draft_cache: Tensor, page_table: Tensor, ctx_len: Tensor, page_size: int,
-    scale: float, *, num_splits: int | None = None, block_m: int | None = None,
-    block_n: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
+    scale: float, *, num_splits: int | None = None, block_n: int | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Grouped-query attention of the drafter's block queries over its paged context cache.
 
@@ -364,4 +358,4 @@ def draft_context_attention(
     return _paged_attention(
         q, None, draft_cache, page_table, ctx_len, page_size, scale, kv_heads=kvh, a_off=0,
         b_off=0, v_off=kvh * hd, head_stride=hd, dv=hd, v_is_a=False, num_splits=num_splits,
-        block_m=block_m, block_n=block_n, num_warps=num_warps, num_stages=num_stages)
+        block_n=block_n)

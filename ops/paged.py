@@ -19,17 +19,10 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from ops.attention import gather_slots, merge_states, prefix_attention
+from ops.attention import _masked_softmax_state, gather_slots, merge_states, prefix_attention
 
-NEG_INF = float("-inf")
 # (q, draft_cache, page_table, ctx_len, page_size, scale) -> (output, natural-log LSE)
 ContextFn = Callable[[Tensor, Tensor, Tensor, Tensor, int, float], tuple[Tensor, Tensor]]
-
-
-def live_width(ctx_len_max: int, page_size: int) -> int:
-    """Pages that hold `ctx_len_max` tokens (a host-side int: the narrowest table a batch whose
-    longest committed context is `ctx_len_max` can be given)."""
-    return -(-int(ctx_len_max) // page_size)
 
 
 def table_slots(page_table: Tensor, page_size: int) -> Tensor:
@@ -38,16 +31,6 @@ def table_slots(page_table: Tensor, page_size: int) -> Tensor:
     bs, W = page_table.shape
     off = torch.arange(page_size, device=page_table.device)
     return (page_table.long()[:, :, None] * page_size + off).reshape(bs, W * page_size)
-
-
-def _masked_state(s: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
-    """Probabilities and natural-log LSE of scores `s [..., K]` under `mask`; a row with no
-    visible key gets zero probabilities and LSE -inf."""
-    s = s.masked_fill(~mask, NEG_INF)
-    lse = torch.logsumexp(s, dim=-1)
-    # NOTE: an empty row has lse = -inf; subtracting it would give NaN.
-    safe = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
-    return torch.exp(s - safe.unsqueeze(-1)), lse
 
 
 def mla_prefix_attention(
@@ -83,7 +66,7 @@ def gqa_state(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float
     s = torch.einsum("bmjgd,btjd->bmjgt", qg, k.float()) * scale
     if mask is None:
         mask = torch.ones(bs, k.shape[1], dtype=torch.bool, device=q.device)
-    p, lse = _masked_state(s, mask[:, None, None, None, :])
+    p, lse = _masked_softmax_state(s, mask[:, None, None, None, :])
     o = torch.einsum("bmjgt,btjd->bmjgd", p, v.float())
     return o.reshape(bs, M, nh, hd), lse.reshape(bs, M, nh)
 

@@ -153,14 +153,14 @@ def dequant_gemm(
 
 def fp8_linear_triton(
     x: Tensor, w: Tensor, scale_inv: Tensor, block: tuple[int, int] = (128, 128), *,
-    block_m: int | None = None, block_n: int = 64, block_k: int = 128,
+    block_n: int = 64, block_k: int = 128,
 ) -> Tensor:
     """`x [..., K]` (bf16/fp16/fp32) times `w [N, K]` (float8_e4m3fn, or its bytes as uint8)
     with `scale_inv [ceil(N/b0), ceil(K/b1)]` fp32 -> `[..., N]` in x's dtype.
 
     Grid `(cdiv(M, block_m), cdiv(N, block_n))`, fixed by shapes (graph-safe, no host sync);
-    `block_m` defaults to the power of two covering `M` within `[16, 64]`; one compile per
-    weight shape (see `dequant_gemm`).
+    `block_m` is the power of two covering `M` within `[16, 64]`; one compile per weight shape
+    (see `dequant_gemm`).
     """
     K = x.shape[-1]
     N = w.shape[0]
@@ -177,5 +177,5 @@ def fp8_linear_triton(
         return y.view(*lead, N)
     wb = w.view(torch.uint8) if w.dtype != torch.uint8 else w
     dequant_gemm(x2, wb.unsqueeze(0), y, weight="fp8", scale=scale_inv.unsqueeze(0),
-                 scale_block=block, tiles=(block_m or pow2_tile(M, hi=64), block_n, block_k))
+                 scale_block=block, tiles=(pow2_tile(M, hi=64), block_n, block_k))
     return y.view(*lead, N)

@@ -27,6 +27,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from engine.kv_cache import pages_needed  # noqa: E402
 from engine.models.dflash import DraftAttention, DraftConfig  # noqa: E402
 from engine.spec import slot_of  # noqa: E402
 from ops import paged  # noqa: E402
@@ -64,7 +65,7 @@ def _paged_case(ctx: list[int], width: int, page_size: int, table_width: int,
     perm = (torch.randperm(num_pages - 1, generator=g) + 1).tolist()
     table = torch.zeros(bs, table_width, dtype=torch.int64)
     for b, n in enumerate(ctx):
-        live = paged.live_width(n, page_size)
+        live = pages_needed(n, page_size)
         table[b, :live] = torch.tensor(perm[:live], dtype=torch.int64)
         perm = perm[live:]
     return cache, table.to(index_dtype), torch.tensor(ctx, dtype=index_dtype)
@@ -167,8 +168,8 @@ def test_twins_run_on_fake_tensors():
     assert o.shape == q.shape and o.dtype == torch.float32
 
 
-def test_live_width_and_splits():
-    assert [paged.live_width(n, 4) for n in (0, 1, 4, 5, 8)] == [0, 1, 1, 2, 2]
+def test_pages_needed_and_splits():
+    assert [pages_needed(n, 4) for n in (0, 1, 4, 5, 8)] == [0, 1, 1, 2, 2]
     if at is None:
         return
     for bs, progs, cap, bn, want in [(1, 1, 4096, 32, None), (64, 8, 4096, 32, None),
