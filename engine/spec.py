@@ -23,6 +23,7 @@ from engine.kv_cache import DUMMY_PAGE, KVPool
 from engine.models.dflash import DFlashDrafter, PagedContext
 from engine.models.kimi import KimiForCausalLM
 from ops.attention import PrefixKernel, gather_slots
+from ops.paged import table_slots
 from ops.sampling import target_probs
 from ops.tree import DDTree, build_ddtree, chain_tree
 from ops.verify import Decision, tree_greedy, tree_sample
@@ -304,11 +305,8 @@ def prefill(models: Models, pool: KVPool, ctx: list[int], pages: list[int]) -> T
 def spec_step(models: Models, pool: KVPool, buf: StepBuffers, shape: StepShape,
               timer: Timer = _no_timer) -> None:
     """One speculative step for every row of `buf` (padding rows included)."""
-    ctx_slots = None
-    if models.attention != "paged":
-        C = buf.page_table.shape[1] * pool.page_size
-        ctx_slots = slot_of(buf.page_table, torch.arange(C, device=buf.anchor.device)[None, :]
-                            .expand(buf.page_table.shape[0], C), pool.page_size)
+    ctx_slots = None if models.attention == "paged" else table_slots(buf.page_table,
+                                                                      pool.page_size)
     draft_logits = None
     if shape.drafts:
         with timer("draft"):
