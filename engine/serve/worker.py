@@ -118,7 +118,8 @@ class Engine:
                             self.fatal = str(e)
                             os.kill(os.getpid(), signal.SIGTERM)
                             return
-                self._publish()
+                else:  # a step publishes itself
+                    self._publish()
 
     def _command(self, kind: str, h: Handle) -> None:
         if kind == "add":
