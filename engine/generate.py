@@ -21,7 +21,7 @@ import os
 import sys
 from dataclasses import replace
 from pathlib import Path
-from typing import Annotated, Any, TextIO
+from typing import TYPE_CHECKING, Annotated, Any, TextIO
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -37,6 +37,9 @@ from engine.config import (
     error_text,
     from_cli,
 )
+
+if TYPE_CHECKING:
+    from engine.llm import GenerationOutput
 
 PROMPT_FIELDS = ("prompt", "prompt_token_ids", "messages")
 
@@ -173,21 +176,22 @@ class Output:
             raise OSError(f"--output {path}: cannot write there ({e.strerror or e})") from e
         self.count = 0
 
-    def add(self, o: Any) -> None:
-        self.file.write(json.dumps({"index": o.index, "text": o.text, "token_ids": o.token_ids,
-                                    "finish_reason": o.finish_reason, "num_steps": o.num_steps,
-                                    "accept_lengths": o.accept_lengths}) + "\n")
+    @staticmethod
+    def line(o: GenerationOutput) -> str:
+        return json.dumps({"index": o.index, "text": o.text, "token_ids": o.token_ids,
+                           "finish_reason": o.finish_reason, "num_steps": o.num_steps,
+                           "accept_lengths": o.accept_lengths}) + "\n"
+
+    def add(self, o: GenerationOutput) -> None:
+        self.file.write(self.line(o))
         self.file.flush()
         self.count += 1
 
-    def finish(self) -> None:
-        """`PATH` in input order (from the partial file), then the partial file goes."""
+    def finish(self, outs: list[GenerationOutput]) -> None:
+        """`PATH` with `outs` (in input order), then the partial file goes."""
         self.file.close()
-        rows = [json.loads(x) for x in self.partial.read_text(encoding="utf-8").splitlines()]
         tmp = self.path.with_name(self.path.name + ".tmp")
-        tmp.write_text("".join(json.dumps(r) + "\n" for r in sorted(rows, key=lambda r:
-                                                                         r["index"])),
-                       encoding="utf-8")
+        tmp.write_text("".join(map(self.line, outs)), encoding="utf-8")
         os.replace(tmp, self.path)
         self.partial.unlink()
 
@@ -198,28 +202,22 @@ class Output:
 
 def _generate(a: argparse.Namespace, llm: Any, items: list[tuple[dict[str, Any], SamplingParams]],
               out: Output | None) -> int:
+    from engine.llm import PromptError
+
     assert out is not None  # the leader opened it
     try:
-        prompts = []
-        for n, (p, sp) in enumerate(items, 1):
-            try:
-                ids = llm.encode_prompt(p)
-                llm.scheduler.check(llm.make_request(ids, sp))
-            except ValueError as e:
-                raise ValueError(f"{a.prompts}:{n}: {e}") from e
-            prompts.append(ids)
-    except ValueError as e:
+        outs = llm.generate([p for p, _ in items], [sp for _, sp in items], progress=True,
+                            on_output=out.add)
+    except PromptError as e:  # raised before anything ran
         out.discard()
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {a.prompts}:{e.index + 1}: {e.message}", file=sys.stderr)
         return 2
-    try:
-        llm.generate(prompts, [sp for _, sp in items], progress=True, on_output=out.add)
     except BaseException:
         out.file.close()
         print(f"{out.count} of {len(items)} results were written to {out.partial} before the "
               f"run stopped", file=sys.stderr)
         raise
-    out.finish()
+    out.finish(outs)
     s = llm.stats
     phases = ", ".join(f"{k} {v:.2f}s" for k, v in s["phase_seconds"].items())
     print(f"{s['prompts']} prompts, {s['tokens']} tokens in {s['seconds']:.2f}s: "

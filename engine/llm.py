@@ -72,6 +72,14 @@ def load_models(cfg: EngineConfig, device: torch.device, dtype: torch.dtype,
     return Models(target, drafter, tp=tp), model
 
 
+class PromptError(ValueError):
+    """Prompt `index` of a `generate` call cannot run (nothing ran)."""
+
+    def __init__(self, index: int, message: str):
+        super().__init__(f"prompt {index}: {message}")
+        self.index, self.message = index, message
+
+
 @dataclass
 class GenerationOutput:
     index: int
@@ -241,20 +249,22 @@ class LLM:
             params = [params or SamplingParams()] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
-        reqs = [self.make_request(self.encode_prompt(p), sp) for p, sp in zip(prompts, params)]
-        for i, r in enumerate(reqs):
-            try:
-                self.scheduler.check(r)
+        reqs: list[Request] = []
+        for i, (p, sp) in enumerate(zip(prompts, params)):
+            try:  # every prompt is checked before any runs
+                reqs.append(self.make_request(self.encode_prompt(p), sp))
+                self.scheduler.add(reqs[-1])
             except ValueError as e:
-                raise ValueError(f"prompt {i}: {e}") from e
-        for r in reqs:
-            self.scheduler.add(r)
+                for r in reqs:
+                    self.scheduler.abort(r)
+                raise PromptError(i, str(e)) from e
         self.timer.totals.clear()
         if self.tp is not None:
             self.tp.comm.reset()
         t0 = time.perf_counter()
         bar = tqdm(total=len(reqs), desc="generating", unit="prompt", disable=not progress)
         index = {r.rid: i for i, r in enumerate(reqs)}
+        done: dict[int, GenerationOutput] = {}
         while self.scheduler.has_work:
             t_step = time.perf_counter()
             events = self.scheduler.step()
@@ -262,13 +272,14 @@ class LLM:
             for e in events:
                 if e.finished:
                     bar.update(1)
+                    o = done[e.req.rid] = self._output(index[e.req.rid], e.req)
                     if on_output is not None:
-                        on_output(self._output(index[e.req.rid], e.req))
+                        on_output(o)
         bar.close()
         if self.tp is not None:
             self.tp.send(End())
         elapsed = time.perf_counter() - t0
-        outs = [self._output(i, r) for i, r in enumerate(reqs)]
+        outs = [done.get(r.rid) or self._output(i, r) for i, r in enumerate(reqs)]
         n_tok = sum(len(o.token_ids) for o in outs)
         acc = [a for r in reqs for a in r.accept_lengths]
         phases = dict(self.timer.totals)
