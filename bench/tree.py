@@ -10,7 +10,7 @@ same pass. Ratios are heap reference time over device build time, measured side 
 
 The second table times `target_probs` (the decide phase's top-k / top-p) on `[bs, N, V]` logits:
 the full vocabulary sort (`bound=None`, the old path) against the bounded top-k path, both with the
-row counts an eager runner passes (`topk_rows` / `sort_rows` from `row_path`) and with every row
+row counts an eager runner passes (`topk_rows` / `sort_rows` from `row_promises`) and with every row
 (what a graph serving any mix runs). Mixes: top-k 50 + top-p 0.95 on every row; one top-p 0.95 row
 among greedy rows (peaked logits: the nucleus fits the bound; flat: it does not and that row takes
 the fallback sort); top-p 0.95 on every row.
@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from bench.common import DEFAULT_OUT, environment, table, time_fn, write_results
-from ops.sampling import TOPK_BOUND, row_path, target_probs
+from ops.sampling import TOPK_BOUND, row_promises, target_probs
 from ops.tree import build_ddtree, build_ddtree_reference
 from ops.verify import tree_greedy, tree_sample
 
@@ -83,9 +83,8 @@ def measure_probs(vocab: int, bs: int, n: int, mix: str, args: argparse.Namespac
     params = [first] + [rest] * (bs - 1)
     logits = (torch.randn(bs, n, vocab, generator=g) * scale).to(dev)
     temp, top_k, top_p = (torch.tensor(col, device=dev) for col in zip(*params))
-    paths = [row_path(k, p, vocab) for _, k, p in params]
-    counts = dict(topk_rows=sum(x in ("bounded", "sort") for x in paths),
-                  sort_rows=sum(x == "sort" for x in paths))
+    promises = row_promises([(k, p) for _, k, p in params], vocab)
+    counts = {k: promises[k] for k in ("topk_rows", "sort_rows")}
     rep = dict(warmup=args.warmup, repeats=args.repeats, device=dev)
     old = 1e3 * time_fn(lambda: target_probs(logits, temp, top_k, top_p, bound=None), **rep)
     new = 1e3 * time_fn(lambda: target_probs(logits, temp, top_k, top_p, **counts), **rep)

@@ -25,7 +25,7 @@ from engine.config import SamplingParams
 from engine.kv_cache import DUMMY_PAGE, KVPool
 from engine.policy import budgets_for_sizes
 from engine.spec import PADDING, Models, StepBuffers, StepShape, prefill, spec_step
-from ops.sampling import row_path, sample_from_probs, target_probs
+from ops.sampling import row_promises, sample_from_probs, target_probs
 
 # Called before every step and every capture, outside the graph, with the host copies of the
 # page table `[bs, W]` and context lengths `[bs]` the step is about to read (a kernel backend
@@ -256,7 +256,7 @@ class StepGraphRunner:
         probs = target_probs(logits[:, -1], torch.tensor([float(p.temperature)], device=dev),
                              torch.tensor([top_k], device=dev),
                              torch.tensor([float(top_p)], device=dev),
-                             **_promises([p], logits.shape[-1]))
+                             **row_promises([(top_k, top_p)], logits.shape[-1]))
         return int(sample_from_probs(probs, torch.tensor([inp.coin], device=dev))[0])
 
     def load(self, inp: StepInputs, pad: bool = False) -> tuple[StepBuffers, StepShape, int]:
@@ -272,7 +272,8 @@ class StepGraphRunner:
         if shape.sample and not self.use_graphs:
             # Eager: truncate only the rows that ask for it, and sort the vocabulary only for
             # rows whose cut may not fit in a bounded top-k.
-            shape = replace(shape, **_promises(inp.params, self.models.target.cfg.vocab_size))
+            vocab = self.models.target.cfg.vocab_size
+            shape = replace(shape, **row_promises(map(_cut, inp.params), vocab))
         width = self.max_pages
         if not self.use_graphs:
             # Eager: gather only as much context as this batch has (a graph needs the full
@@ -334,15 +335,6 @@ class StepGraphRunner:
 def _cut(p: SamplingParams) -> tuple[int, float]:
     """A row's `(top_k, top_p)` as the step reads them (top-k off: 0); greedy is top-k 1."""
     return (1, 1.0) if p.greedy else (max(p.top_k, 0), p.top_p)
-
-
-def _promises(params: Sequence[SamplingParams], vocab: int) -> dict[str, Any]:
-    """What an eager step can promise `target_probs` about its rows (`ops.sampling.row_path`):
-    whether any row truncates, how many need a top-k, how many may need the full sort."""
-    paths = [row_path(*_cut(p), vocab) for p in params]
-    return {"filtered": any(x != "plain" for x in paths),
-            "topk_rows": sum(x in ("bounded", "sort") for x in paths),
-            "sort_rows": sum(x == "sort" for x in paths)}
 
 
 def _pad(inputs: dict[str, Tensor], start: int) -> None:

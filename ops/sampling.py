@@ -30,6 +30,9 @@ for bit, whatever the other rows or the counts.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+from typing import Any
+
 import torch
 from torch import Tensor
 
@@ -65,6 +68,18 @@ def row_path(top_k: int, top_p: float, vocab: int, bound: int = TOPK_BOUND) -> s
     if k == vocab and top_p >= 1.0:
         return "plain"
     return "bounded" if k <= min(bound, vocab) else "sort"
+
+
+def row_promises(rows: Iterable[tuple[int, float]], vocab: int, bound: int = TOPK_BOUND
+                 ) -> dict[str, Any]:
+    """What a caller that knows its rows' `(top_k, top_p)` on the host can promise
+    `target_probs` (`row_path` per row): whether any row truncates (`filtered`; top-k 1
+    included), how many need a top-k (`topk_rows`), how many may need the full sort
+    (`sort_rows`)."""
+    paths = [row_path(k, p, vocab, bound) for k, p in rows]
+    return {"filtered": any(x != "plain" for x in paths),
+            "topk_rows": sum(x in ("bounded", "sort") for x in paths),
+            "sort_rows": sum(x == "sort" for x in paths)}
 
 
 def _take(x: Tensor, rows: Tensor | None) -> Tensor:

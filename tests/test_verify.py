@@ -11,7 +11,7 @@ from scipy import stats
 from torch import Tensor
 from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
 
-from ops.sampling import row_path, sample_from_probs, target_probs
+from ops.sampling import row_promises, sample_from_probs, target_probs
 from ops.tree import DDTree, build_ddtree
 from ops.verify import Decision, tree_greedy, tree_sample
 from tests.fakeguard import run_on_fake
@@ -521,16 +521,14 @@ def test_cuda_graph_replay_matches_cpu() -> None:
 
 class BoundedPathTarget(PathTarget):
     """`PathTarget` through the bounded top-k path with a tiny `bound`, so that top-k and nuclei
-    overflow it and the fallback sort serves them; the row counts are the host's (`row_path`)."""
+    overflow it and the fallback sort serves them; the row counts are the host's
+    (`row_promises`)."""
 
     def __init__(self, vocab: int, temp: float, top_k: int, top_p: float, seed: int, bound: int):
         super().__init__(vocab, temp, top_k, top_p, seed)
-        path = row_path(top_k, top_p, vocab, bound)
-        self.kwargs = {
-            "bound": bound,
-            "topk_rows": int(path in ("bounded", "sort")),
-            "sort_rows": int(path == "sort"),
-        }
+        promises = row_promises([(top_k, top_p)], vocab, bound)
+        self.kwargs = {"bound": bound, "topk_rows": promises["topk_rows"],
+                       "sort_rows": promises["sort_rows"]}
         self.reference = PathTarget(vocab, temp, top_k, top_p, seed)
 
     def __call__(self, prefix: tuple[int, ...]) -> Tensor:
@@ -553,8 +551,8 @@ def test_known_answer_on_the_bounded_path(top_k: int, top_p: float, bound: int) 
     logits = known_answer_logits()
     temp = torch.full((2,), 0.01)
     k, p = torch.full((2,), top_k), torch.full((2,), top_p)
-    path = row_path(top_k, top_p, 20, bound)
-    counts = {"topk_rows": 2 * (path in ("bounded", "sort")), "sort_rows": 2 * (path == "sort")}
+    promises = row_promises([(top_k, top_p)] * 2, 20, bound)
+    counts = {k: promises[k] for k in ("topk_rows", "sort_rows")}
     q = target_probs(logits, temp, k, p, bound=bound, **counts)
     assert torch.equal(q, target_probs(logits, temp, k, p, bound=bound))
     assert torch.equal(q > 0, target_probs(logits, temp, k, p, bound=None) > 0)
