@@ -16,10 +16,11 @@ from __future__ import annotations
 import base64
 import binascii
 import codecs
+import functools
 import json
 import os
 import re
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -172,9 +173,14 @@ def kimi_special_tokens(
     """
     if named is None:
         named = _kimi_named_layout(first_id, num_reserved_special)
-    ids = sorted(set(range(first_id, first_id + num_reserved_special)) | set(named))
+    return _name_specials(named, range(first_id, first_id + num_reserved_special))
+
+
+def _name_specials(named: Mapping[int, str], ids: Iterable[int]) -> dict[str, int]:
+    """Name -> id for every id of `named` and `ids`: its name in `named`, else Kimi's reserved
+    name. A name given to two ids raises."""
     specials: dict[str, int] = {}
-    for token_id in ids:
+    for token_id in sorted(set(ids) | set(named)):
         name = named.get(token_id) or reserved_token_name(token_id)
         if name in specials:
             raise TokenizerError(
@@ -275,18 +281,13 @@ class Tokenizer:
         clash = sorted(n for n, i in special_tokens.items() if i in ordinary_ids)
         if clash:
             raise TokenizerError(f"special tokens {clash[:4]} reuse ids of ordinary tokens")
-        if len(set(special_tokens.values())) != len(special_tokens):
+        named = {token_id: name for name, token_id in special_tokens.items()}
+        if len(named) != len(special_tokens):
             raise TokenizerError("two special tokens share one id")
-        specials = dict(special_tokens)
         # NOTE: every id below vocab_size must decode: an id that is neither an ordinary rank
         # nor a named special gets Kimi's reserved name.
-        known = ordinary_ids | set(specials.values())
-        for token_id in range(max(known) + 1):
-            if token_id not in known:
-                reserved = reserved_token_name(token_id)
-                if reserved in specials:
-                    raise TokenizerError(f"special token {reserved!r} names a second id")
-                specials[reserved] = token_id
+        gaps = set(range(max(ordinary_ids | set(named)) + 1)) - ordinary_ids
+        specials = _name_specials(named, gaps)
         self.encoding = tiktoken.Encoding(
             name=name,
             pat_str=pat_str,
@@ -311,7 +312,6 @@ class Tokenizer:
         )
         self.chat_template = chat_template
         self.special_tokens_map: dict[str, str] = dict(special_tokens_map or {})
-        self._chat: ChatRenderer | None = None
 
     @classmethod
     def from_dir(cls, path: str | os.PathLike[str]) -> Tokenizer:
@@ -400,12 +400,10 @@ class Tokenizer:
         except KeyError as e:
             raise TokenizerError(f"tokenizer has no special token {name!r}") from e
 
-    @property
+    @functools.cached_property
     def chat(self) -> ChatRenderer:
         """The renderer of this tokenizer's chat template (engine.chat.ChatRenderer)."""
-        if self._chat is None or self._chat.template is not self.chat_template:
-            self._chat = ChatRenderer(self, self.chat_template, self.special_tokens_map)
-        return self._chat
+        return ChatRenderer(self, self.chat_template, self.special_tokens_map)
 
     def apply_chat_template(
         self,
@@ -455,28 +453,33 @@ class TextStream:
     tokens waits for the rest, and with `stop` strings the last (longest stop - 1) characters wait
     until later ids show they do not start one, so no text past a stop ever leaves. `end` gives
     the rest: the pieces add up to one decode of every id, cut at `text_end` (where a stop string
-    matched), exactly the text a non-streamed answer has."""
+    matched), exactly the text a non-streamed answer has. `text` is everything decoded so far,
+    `sent` how much of it has left."""
 
     def __init__(self, tokenizer: Tokenizer, stop: Sequence[str] = (),
                  skip_special_tokens: bool = True) -> None:
-        self._tok, self._skip = tokenizer, skip_special_tokens
         self._dec = tokenizer.stream_decoder(skip_special_tokens)
         self._hold = max(map(len, stop), default=1) - 1
-        self.ids: list[int] = []
-        self._text, self._sent = "", 0
+        self.text, self.sent = "", 0
 
-    def push(self, ids: Sequence[int]) -> str:
-        self.ids += ids
-        self._text += self._dec.push(ids)
-        end = len(self._text) - self._hold
-        if end <= self._sent:
-            return ""
-        piece, self._sent = self._text[self._sent:end], end
+    def add(self, ids: Sequence[int]) -> None:
+        """Decodes `ids` without releasing anything."""
+        self.text += self._dec.push(ids)
+
+    def push(self, ids: Sequence[int] = ()) -> str:
+        """The text that became final with `ids`."""
+        self.add(ids)
+        return self._release(len(self.text) - self._hold)
+
+    def end(self, ids: Sequence[int] = (), text_end: int | None = None) -> str:
+        """The rest of the text, the ids ending with `ids`."""
+        self.text += self._dec.push(ids) + self._dec.flush()
+        return self._release(len(self.text) if text_end is None else text_end)
+
+    def _release(self, cut: int) -> str:
+        piece = self.text[self.sent : max(cut, self.sent)]
+        self.sent += len(piece)
         return piece
-
-    def end(self, ids: Sequence[int], text_end: int | None = None) -> str:
-        self.ids += ids
-        return self._tok.decode(self.ids, self._skip)[:text_end][self._sent:]
 
 
 def write_tokenizer_files(

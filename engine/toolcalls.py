@@ -1,9 +1,9 @@
 """Kimi K2 tool-call and reasoning parsing of generated text (decoded with special tokens kept).
 
-Pure Python; no torch, no server imports. Every parser is incremental: `feed(text_delta)`
-returns what became certain, `finish()` flushes what was held back. The whole-text functions
-feed the full text once and finish, so whole and streamed parsing agree by construction, for any
-split of the text. No input raises.
+Pure Python parsers (no torch, no server imports; OutputStream decodes ids with engine.tokenizer).
+Every parser is incremental: `feed(text_delta)` returns what became certain, `finish()` flushes
+what was held back. The whole-text functions feed the full text once and finish, so whole and
+streamed parsing agree by construction, for any split of the text. No input raises.
 
 Tool calls (vLLM/SGLang `kimi_k2` format)::
 
@@ -51,23 +51,25 @@ parser first, the tool parser on its content.
 From token ids (what a server streams): `OutputStream(tokenizer, prompt_ids, stop, tools=,
 reasoning=, only=)`; `push(ids)` and `end(ids, text_end)` return `OutputDelta`s, `result()` the
 whole `ParsedOutput`, `finish_reason(reason)` says `tool_calls` for a stop after calls. The text
-is `tokenizer.decode(ids, skip_special_tokens=True)`, released as `engine.tokenizer.TextStream`
-releases it (the longest stop string less one character waits, and `end` cuts at `text_end`,
-an offset in that text), plus the names of the special ids among the parsers' markers (tool-call
-markers with `tools`, `<think>`/`</think>` with `reasoning`) where they were generated; a marker
-id right at a cut comes before it. Without markers to parse, the content is exactly the
-TextStream text. Reasoning is implicit when the prompt ids end in `<think>`. `only` keeps the
-calls of that function (others are dropped) and renumbers them from 0. `to_openai()` of a delta
-or a result gives the fields of an OpenAI chat `delta` or `message`.
+is `tokenizer.decode(ids, skip_special_tokens=True)`, released by an `engine.tokenizer.TextStream`
+(the longest stop string less one character waits, and `end` cuts at `text_end`, an offset in
+that text), plus the names of the special ids among the parsers' markers (tool-call markers with
+`tools`, `<think>`/`</think>` with `reasoning`) where they were generated; a marker id leaves
+with the text before it (one right at a cut comes before it). Without markers to parse, the
+content is exactly the TextStream text. Reasoning is implicit when the prompt ids end in
+`<think>`. `only` keeps the calls of that function (others are dropped) and renumbers them from
+0. `to_openai()` of a delta or a result gives the fields of an OpenAI chat `delta` or `message`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, TypeVar
+
+from engine.tokenizer import TextStream, Tokenizer
 
 SECTION_BEGIN = "<|tool_calls_section_begin|>"
 SECTION_END = "<|tool_calls_section_end|>"
@@ -121,8 +123,19 @@ class ToolCallDelta:
         return out
 
 
+_P = TypeVar("_P", bound="_Pieces")
+
+
+class _Pieces:
+    """`a + b`: each field of `a` followed by the same field of `b` (a piece, then the next)."""
+
+    def __add__(self: _P, other: _P) -> _P:
+        fields = dataclasses.fields(self)  # type: ignore[arg-type]
+        return type(self)(*(getattr(self, f.name) + getattr(other, f.name) for f in fields))
+
+
 @dataclass(frozen=True)
-class ToolParseDelta:
+class ToolParseDelta(_Pieces):
     content: str = ""
     tool_calls: tuple[ToolCallDelta, ...] = ()
 
@@ -134,7 +147,7 @@ class ToolParseResult:
 
 
 @dataclass(frozen=True)
-class ReasoningDelta:
+class ReasoningDelta(_Pieces):
     reasoning: str = ""
     content: str = ""
 
@@ -146,7 +159,7 @@ class ReasoningResult:
 
 
 @dataclass(frozen=True)
-class OutputDelta:
+class OutputDelta(_Pieces):
     reasoning: str = ""
     content: str = ""
     tool_calls: tuple[ToolCallDelta, ...] = ()
@@ -205,8 +218,8 @@ def parse_call_id(raw: str) -> str | None:
     return name
 
 
-def merge_tool_call_deltas(deltas: Iterable[ToolCallDelta]) -> list[ToolCall]:
-    """Finished calls from streamed deltas, in index order."""
+def _merge(deltas: Iterable[ToolCallDelta]) -> tuple[ToolCallDelta, ...]:
+    """One delta per call (in order of first appearance): its id, name and joined arguments."""
     parts: dict[int, list[Any]] = {}
     for d in deltas:
         entry = parts.setdefault(d.index, [None, None, []])
@@ -215,27 +228,13 @@ def merge_tool_call_deltas(deltas: Iterable[ToolCallDelta]) -> list[ToolCall]:
         if d.name is not None:
             entry[1] = d.name
         entry[2].append(d.arguments)
-    return [ToolCall(i, e[0] or "", e[1] or "", "".join(e[2])) for i, e in sorted(parts.items())]
+    return tuple(ToolCallDelta(i, e[0], e[1], "".join(e[2])) for i, e in parts.items())
 
 
-class _Out:
-    """What one feed()/finish() produces."""
-
-    def __init__(self) -> None:
-        self.content: list[str] = []
-        self.calls: dict[int, list[Any]] = {}
-
-    def call(self, index: int, call_id: str | None = None, name: str | None = None,
-             arguments: str = "") -> None:
-        entry = self.calls.setdefault(index, [None, None, []])
-        if call_id is not None:
-            entry[0], entry[1] = call_id, name
-        if arguments:
-            entry[2].append(arguments)
-
-    def delta(self) -> ToolParseDelta:
-        calls = tuple(ToolCallDelta(i, e[0], e[1], "".join(e[2])) for i, e in self.calls.items())
-        return ToolParseDelta("".join(self.content), calls)
+def merge_tool_call_deltas(deltas: Iterable[ToolCallDelta]) -> list[ToolCall]:
+    """Finished calls from streamed deltas, in index order."""
+    return [ToolCall(d.index, d.id or "", d.name or "", d.arguments)
+            for d in sorted(_merge(deltas), key=lambda d: d.index)]
 
 
 _NORMAL, _OPEN, _ID, _ARGS = range(4)
@@ -254,7 +253,8 @@ class ToolCallParser:
         self._count = 0  # calls so far: the index of the next one
         self._args_started = False
         self._pending_ws = ""  # trailing whitespace of the arguments, held back
-        self._out = _Out()
+        self._content: list[str] = []  # what the current feed()/finish() produces
+        self._calls: list[ToolCallDelta] = []
 
     def feed(self, text: str) -> ToolParseDelta:
         """Consumes a text delta; returns the content and call pieces it made certain."""
@@ -268,15 +268,15 @@ class ToolCallParser:
         return delta
 
     def _run(self, final: bool) -> ToolParseDelta:
-        self._out = _Out()
+        self._content, self._calls = [], []
         while self._step(final):
             pass
-        return self._out.delta()
+        return ToolParseDelta("".join(self._content), _merge(self._calls))
 
     def _abandon(self) -> None:
         """The unfinished element is malformed: its anchor is content, the rest is scanned
         again as ordinary text."""
-        self._out.content.append(self._anchor)
+        self._content.append(self._anchor)
         self._buf = self._held[len(self._anchor) :] + self._buf
         self._anchor = self._held = self._id = ""
         self._state = _NORMAL
@@ -286,13 +286,13 @@ class ToolCallParser:
         if self._state == _NORMAL:
             i = buf.find(SECTION_BEGIN)
             if i >= 0:
-                self._out.content.append(buf[:i])
+                self._content.append(buf[:i])
                 self._buf = buf[i + len(SECTION_BEGIN) :]
                 self._state, self._section_calls = _OPEN, 0
                 self._anchor = self._held = SECTION_BEGIN
                 return True
             keep = 0 if final else _held_suffix(buf, (SECTION_BEGIN,))
-            self._out.content.append(buf[: len(buf) - keep])
+            self._content.append(buf[: len(buf) - keep])
             self._buf = buf[len(buf) - keep :]
             return False
         if self._state == _OPEN:
@@ -333,7 +333,7 @@ class ToolCallParser:
                     self._abandon()
                     return True
                 self._buf = buf[i + len(ARGUMENT_BEGIN) :]
-                self._out.call(self._count, self._id.strip(), name)
+                self._calls.append(ToolCallDelta(self._count, self._id.strip(), name))
                 self._count += 1
                 self._section_calls += 1
                 self._state, self._anchor, self._held, self._id = _ARGS, "", "", ""
@@ -378,16 +378,14 @@ class ToolCallParser:
         body = text.rstrip()
         self._pending_ws = "" if end else text[len(body) :]
         if body:
-            self._out.call(self._count - 1, arguments=body)
+            self._calls.append(ToolCallDelta(self._count - 1, arguments=body))
 
 
 def parse_tool_calls(text: str) -> ToolParseResult:
     """Content and tool calls of a whole generated text."""
     parser = ToolCallParser()
-    first, last = parser.feed(text), parser.finish()
-    return ToolParseResult(
-        first.content + last.content, merge_tool_call_deltas(first.tool_calls + last.tool_calls)
-    )
+    d = parser.feed(text) + parser.finish()
+    return ToolParseResult(d.content, merge_tool_call_deltas(d.tool_calls))
 
 
 # ---------------------------------------------------------------- reasoning
@@ -451,9 +449,8 @@ class ReasoningParser:
 def parse_reasoning(text: str, in_reasoning: bool = False) -> ReasoningResult:
     """Reasoning and content of a whole generated text."""
     parser = ReasoningParser(in_reasoning)
-    first, last = parser.feed(text), parser.finish()
-    reasoning = first.reasoning + last.reasoning
-    return ReasoningResult(reasoning if parser.started else None, first.content + last.content)
+    d = parser.feed(text) + parser.finish()
+    return ReasoningResult(d.reasoning if parser.started else None, d.content)
 
 
 # ---------------------------------------------------------------- both
@@ -486,8 +483,7 @@ class OutputParser:
             return OutputDelta(r.reasoning, r.content)
         t = self._tools.feed(r.content)
         if final:
-            end = self._tools.finish()
-            t = ToolParseDelta(t.content + end.content, t.tool_calls + end.tool_calls)
+            t += self._tools.finish()
         return OutputDelta(r.reasoning, t.content, t.tool_calls)
 
 
@@ -496,12 +492,9 @@ def parse_output(
 ) -> ParsedOutput:
     """Reasoning, content and tool calls of a whole generated text."""
     parser = OutputParser(reasoning=reasoning, in_reasoning=in_reasoning, tools=tools)
-    first, last = parser.feed(text), parser.finish()
-    return ParsedOutput(
-        first.reasoning + last.reasoning if parser.reasoning_started else None,
-        first.content + last.content,
-        merge_tool_call_deltas(first.tool_calls + last.tool_calls),
-    )
+    d = parser.feed(text) + parser.finish()
+    return ParsedOutput(d.reasoning if parser.reasoning_started else None, d.content,
+                        merge_tool_call_deltas(d.tool_calls))
 
 
 # ---------------------------------------------------------------- token ids
@@ -510,32 +503,19 @@ def parse_output(
 PROMPT_TAIL_IDS = 16
 
 
-class Tokens(Protocol):
-    """What OutputStream needs of a tokenizer (`engine.tokenizer.Tokenizer`)."""
-
-    special_tokens: dict[str, int]
-
-    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str: ...
-
-    def stream_decoder(self, skip_special_tokens: bool = False) -> Any: ...
-
-
 class OutputStream:
     """Reasoning, content and tool calls of generated token ids (see the module docstring)."""
 
-    def __init__(self, tokenizer: Tokens, prompt_ids: Sequence[int] = (),
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int] = (),
                  stop: Sequence[str] = (), *, tools: bool = False, reasoning: bool = False,
                  only: str | None = None) -> None:
         names = (_ALL_MARKERS if tools else ()) + ((THINK_BEGIN, THINK_END) if reasoning else ())
-        specials: Mapping[str, int] = tokenizer.special_tokens
+        specials = tokenizer.special_tokens
         self._markers = {specials[m]: m for m in names if m in specials}
         opens = reasoning and prompt_opens_reasoning(
             tokenizer.decode(list(prompt_ids[-PROMPT_TAIL_IDS:])))
         self._parser = OutputParser(reasoning=reasoning, in_reasoning=opens, tools=tools)
-        self._tok, self._dec = tokenizer, tokenizer.stream_decoder(True)
-        self._hold = max(map(len, stop), default=1) - 1
-        self.ids: list[int] = []
-        self._text, self._sent = "", 0  # the text without special ids; how much of it left
+        self._text = TextStream(tokenizer, stop)  # the text without special ids
         self._at: list[tuple[int, str]] = []  # markers not yet released: (offset in text, name)
         self._only = only
         self._index: dict[int, int | None] = {}  # the parser's call index -> ours (None: dropped)
@@ -544,14 +524,13 @@ class OutputStream:
     def push(self, ids: Sequence[int]) -> OutputDelta:
         """What the new `ids` made certain."""
         self._take(ids)
-        return self._release(len(self._text) - self._hold, final=False)
+        return self._release(self._text.push(), final=False)
 
     def end(self, ids: Sequence[int], text_end: int | None = None) -> OutputDelta:
         """The rest, the output ending with `ids` (cut at `text_end`, where a stop string
         matched)."""
         self._take(ids)
-        self._text = self._tok.decode(self.ids, True)
-        return self._release(len(self._text) if text_end is None else text_end, final=True)
+        return self._release(self._text.end(text_end=text_end), final=True)
 
     def result(self) -> ParsedOutput:
         """Everything released so far."""
@@ -564,28 +543,27 @@ class OutputStream:
         return "tool_calls" if reason == "stop" and self._parts[2] else reason
 
     def _take(self, ids: Sequence[int]) -> None:
-        self.ids += ids
-        for t in ids:
+        """Decodes `ids`, each run between marker ids at once, noting where the markers came."""
+        start = 0
+        for k, t in enumerate(ids):
             if t in self._markers:
-                self._at.append((len(self._text), self._markers[t]))
-            else:
-                self._text += self._dec.push([t])
+                self._text.add(ids[start:k])
+                self._at.append((len(self._text.text), self._markers[t]))
+                start = k + 1
+        self._text.add(ids[start:])
 
-    def _release(self, cut: int, final: bool) -> OutputDelta:
-        pieces, pos = [], self._sent
-        while self._at and self._at[0][0] <= cut:
+    def _release(self, piece: str, final: bool) -> OutputDelta:
+        """Parses the text just released (`piece`, ending at `sent`) with the markers up to its
+        end in place."""
+        text, sent = self._text.text, self._text.sent
+        pieces, pos = [], sent - len(piece)
+        while self._at and self._at[0][0] <= sent:
             at, name = self._at.pop(0)
-            pieces += [self._text[pos:at], name]
+            pieces += [text[pos:at], name]
             pos = at
-        if cut > pos:
-            pieces.append(self._text[pos:cut])
-            pos = cut
-        self._sent = pos
-        d = self._parser.feed("".join(pieces))
+        d = self._parser.feed("".join(pieces) + text[pos:sent])
         if final:
-            last = self._parser.finish()
-            d = OutputDelta(d.reasoning + last.reasoning, d.content + last.content,
-                            d.tool_calls + last.tool_calls)
+            d += self._parser.finish()
         calls = tuple(self._renumber(d.tool_calls))
         reasoning, content, kept = self._parts
         reasoning.append(d.reasoning)

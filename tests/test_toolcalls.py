@@ -445,3 +445,22 @@ def test_output_stream_without_markers_equals_text_stream(ids: list[int], cuts: 
     got = [out.push(c) for c in chunks] + [out.end(rest, text_end)]
     assert [d.content for d in got] == want
     assert out.result() == ParsedOutput(None, "".join(want), [])
+    # the pieces add up to one decode of every id, cut where the stop string matched
+    assert "".join(want) == tok.decode(ids, True)[:text_end]
+
+
+@settings(max_examples=200, deadline=None)
+@given(_outputs(), st.lists(st.integers(0, 400), max_size=12), st.booleans())
+def test_output_stream_of_ids_equals_whole(text: str, cuts: list[int], think: bool) -> None:
+    """Marker ids parse as their names however the ids are cut (one byte per id here, so
+    multi-byte characters span several), exactly as the whole text parses."""
+    tok = _tokenizer()
+    ids = tok.encode((TB if think else "") + text, allow_special=True)
+    markers = {tok.special_tokens[m] for m in (SB, SE, CB, AB, CE, TB, TE)}
+    whole = parse_output(tok.decode([i for i in ids if i < 256 or i in markers]))
+    out = OutputStream(tok, tools=True, reasoning=True)
+    deltas = _run(out, ids, cuts)
+    assert out.result() == whole
+    assert "".join(d.reasoning for d in deltas) == (whole.reasoning or "")
+    assert "".join(d.content for d in deltas) == whole.content
+    assert merge_tool_call_deltas(c for d in deltas for c in d.tool_calls) == whole.tool_calls
