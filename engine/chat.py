@@ -56,10 +56,11 @@ from pydantic import (
     BeforeValidator,
     ConfigDict,
     Field,
-    TypeAdapter,
     ValidationError,
     model_validator,
 )
+
+from engine.config import error_text
 
 CONFIG_FILE = "tokenizer_config.json"
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
@@ -84,8 +85,8 @@ MARK_END = "\U000f0001"
 # Names under which a message may carry its reasoning; transformers copies the first one set to
 # `thinking` and `reasoning_content`, the name chat templates read.
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
-# Template variables set by the renderer itself.
-_RESERVED_KWARGS = frozenset({"messages", "tools", "documents", "add_generation_prompt"})
+# Template variables set by the renderer itself (and jinja's own `self`).
+_RESERVED_KWARGS = frozenset({"messages", "tools", "documents", "add_generation_prompt", "self"})
 # The named special tokens transformers passes to every template (its SPECIAL_TOKENS_ATTRIBUTES).
 _NAMED_TOKEN_KEYS = (
     "bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token",
@@ -445,18 +446,19 @@ class Message(_Open):
 
 
 Messages = Annotated[list[Message], Field(min_length=1)]
-_CHECK = TypeAdapter(tuple[Messages, list[dict[str, Any]] | None])
+class _Conversation(BaseModel):
+    model_config = ConfigDict(strict=True)
+    messages: Messages
+    tools: list[dict[str, Any]] | None = None
 
 
 def validate_messages(messages: object, tools: object = None) -> None:
     """Checks the shape of an OpenAI-style conversation and its tools; the error names the
     offending field (`messages.0.role: ...`)."""
     try:
-        _CHECK.validate_python((messages, tools), strict=True)
+        _Conversation.model_validate({"messages": messages, "tools": tools})
     except ValidationError as e:
-        err = e.errors()[0]
-        where = ".".join(map(str, (("messages", "tools")[err["loc"][0]], *err["loc"][1:])))
-        raise TokenizerError(f"{where}: {err['msg'].removeprefix('Value error, ')}") from e
+        raise TokenizerError(error_text(e)) from e
 
 
 # ---------------------------------------------------------------- marking and encoding
@@ -514,6 +516,7 @@ class ChatRenderer:
 
     def render(
         self,
+        /,
         messages: list[dict[str, Any]],
         tools: list[dict[str, Any]] | None = None,
         add_generation_prompt: bool = True,
@@ -527,6 +530,7 @@ class ChatRenderer:
 
     def encode(
         self,
+        /,
         messages: list[dict[str, Any]],
         tools: list[dict[str, Any]] | None = None,
         add_generation_prompt: bool = True,

@@ -407,6 +407,7 @@ class Tokenizer:
 
     def apply_chat_template(
         self,
+        /,
         messages: list[dict[str, Any]],
         add_generation_prompt: bool = True,
         tools: list[dict[str, Any]] | None = None,
@@ -420,6 +421,7 @@ class Tokenizer:
 
     def render_chat_template(
         self,
+        /,
         messages: list[dict[str, Any]],
         add_generation_prompt: bool = True,
         tools: list[dict[str, Any]] | None = None,

@@ -558,6 +558,7 @@ def test_named_templates(tmp_path: Path) -> None:
         ([{"role": "user", "content": "x"}], {"a": 1}, {}, "tools: Input should be a valid list"),
         ([{"role": "user", "content": "x"}], ["f"], {}, r"tools\.0: Input should be a valid dict"),
         ([{"role": "user", "content": "x"}], None, {"documents": []}, "set by the renderer"),
+        ([{"role": "user", "content": "x"}], None, {"self": 1}, r"\['self'\] are set by"),
     ],
 )
 def test_bad_requests(k25: Tokenizer, messages: Any, tools: Any, kwargs: dict[str, Any],
