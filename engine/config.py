@@ -20,11 +20,13 @@ from typing import Annotated, Any, Literal, Union
 from pydantic import BeforeValidator, ConfigDict, Field, ValidationError, model_validator
 from pydantic.dataclasses import dataclass as checked_dataclass
 
+from ops.yarn import yarn_m
+
 # Step modes: a DDTree, the drafter's argmax chain, or plain one-token decoding.
-MODES = ("tree", "chain", "ar")
+Mode = Literal["tree", "chain", "ar"]
+MODES = typing.get_args(Mode)
 DEFAULT_BUDGET = 16  # tree nodes besides the root, without --budget or a budget policy
 DType = Literal["auto", "float32", "fp32", "bfloat16", "bf16", "float16", "fp16"]
-DTYPE_NAMES = typing.get_args(DType)[1:]
 
 TARGET_MODEL_TYPES = ("kimi_k2", "deepseek_v3")
 KIMI_VOCAB = 163840
@@ -60,9 +62,6 @@ def _rope_fields(d: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
         kind = raw.pop("type", None) or raw.pop("rope_type", None) or "default"
         raw.pop("rope_type", None)
         if kind == "deepseek_yarn":
-            # NOTE: imported here so that reading configs needs no torch.
-            from ops.rope import yarn_m
-
             f = float(raw.get("factor") or 1)
             raw.setdefault("attention_factor", yarn_m(f, float(raw.get("mscale") or 1))
                            / yarn_m(f, float(raw.get("mscale_all_dim") or 0)))
@@ -254,8 +253,6 @@ class ModelConfig:
     def yarn_mscale(self) -> float:
         """`m(f, mscale_all_dim)`: the softmax-scale correction of YaRN (1.0 without yarn)."""
         # NOTE: imported here so that reading configs (the scheduler, the server) needs no torch.
-        from ops.rope import yarn_m
-
         s = self.rope_scaling
         if not s or s.get("type") != "yarn":
             return 1.0
@@ -352,8 +349,6 @@ class DraftConfig:
         s = self.rope_scaling
         if self.vocab_size != KIMI_VOCAB or not s or s.get("type") != "yarn":
             return None
-        from ops.rope import yarn_m  # NOTE: here, so reading configs needs no torch
-
         return yarn_m(float(s.get("factor") or 1), 1.0)
 
     @classmethod
@@ -445,7 +440,7 @@ class EngineConfig:
     draft: str | None = Field(None, description="DFlash drafter dir (default: the bundled "
                                                 "drafter when --model is not given; needed "
                                                 "unless --mode ar)")
-    mode: Literal["tree", "chain", "ar"] = Field(
+    mode: Mode = Field(
         "tree", description="a DDTree, the drafter's argmax chain, or plain decoding")
     budget: Annotated[int, Field(ge=0)] | None = Field(
         None, description="tree nodes besides the root at every batch size, 0: plain decoding "

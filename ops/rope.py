@@ -8,10 +8,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-
-def yarn_m(scale: float, mscale: float) -> float:
-    """YaRN's magnitude correction `0.1 * mscale * ln(scale) + 1` (1 when not scaling up)."""
-    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+from ops.yarn import yarn_m
 
 
 def rope_frequencies(
