@@ -89,3 +89,20 @@ def table(rows: list[dict[str, Any]], columns: list[tuple[str, str, str]]) -> st
     lines = ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in cells]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)
+
+
+def bench_prompts(llm: Any, model: Path, n: int, seed: int) -> tuple[list[list[int]], str]:
+    """`n` prompts as token ids and where they come from: held-out corpus files (never trained
+    on) for the bundled model, else random ids of the model's vocabulary (below its specials)."""
+    import random
+
+    from engine.llm import DEFAULT_MODEL
+
+    if llm.tokenizer is not None and model.resolve() == DEFAULT_MODEL.resolve():
+        from engine.tools.corpus import held_out_prompts
+
+        return [llm.encode_prompt(t) for t in held_out_prompts(n, seed)], "held-out corpus files"
+    g, vocab = random.Random(seed), llm.models.target.cfg.vocab_size
+    return ([[g.randrange(vocab - 256) for _ in range(g.randint(4, 32))] for _ in range(n)],
+            "random token ids")
+

@@ -31,10 +31,9 @@ from typing import IO, Any
 import httpx
 from pydantic import ValidationError
 
-from bench.common import environment, table, write_results
-from bench.spec import random_prompts
+from bench.common import bench_prompts, environment, table, write_results
 from engine.config import EngineConfig, SamplingParams, add_cli_args, error_text, from_cli
-from engine.llm import DEFAULT_MODEL, LLM, REPO, model_pair
+from engine.llm import LLM, REPO, model_pair
 
 
 class Server:
@@ -185,17 +184,9 @@ def main(argv: list[str] | None = None) -> None:
 
 def _bench(a: argparse.Namespace, config: EngineConfig, servers: list[Server]) -> None:
     llm = LLM(config=config, progress=False)  # loads while the servers start
-    model, _ = model_pair(config.model, config.draft)
-    if llm.tokenizer is not None and model.resolve() == DEFAULT_MODEL.resolve():
-        from engine.tools.corpus import held_out_prompts
-
-        texts = held_out_prompts(a.requests, a.seed)
-        prompts = [llm.encode_prompt(t)[:a.prompt_len] for t in texts]
-        source = "held-out corpus files"
-    else:
-        vocab = llm.models.target.cfg.vocab_size
-        prompts = [p[:a.prompt_len] for p in random_prompts(vocab, a.requests, a.seed)]
-        source = "random token ids"
+    prompts, source = bench_prompts(llm, model_pair(config.model, config.draft)[0], a.requests,
+                                    a.seed)
+    prompts = [p[:a.prompt_len] for p in prompts]
     for s in servers:
         s.wait_healthy(a.startup_timeout)
     print(f"{len(prompts)} requests ({source}, {min(map(len, prompts))}-"

@@ -26,18 +26,11 @@ from typing import Any
 
 import torch
 
-from bench.common import environment, table, write_results
+from bench.common import bench_prompts, environment, table, write_results
 from engine.config import SamplingParams
-from engine.llm import DEFAULT_MODEL, LLM, model_pair
+from engine.llm import LLM, model_pair
 
 PHASES = ("draft", "build", "verify", "decide", "commit", "host", "prefill+sched")
-
-
-def random_prompts(vocab: int, n: int, seed: int) -> list[list[int]]:
-    import random
-
-    g = random.Random(seed)
-    return [[g.randrange(vocab - 256) for _ in range(g.randint(4, 32))] for _ in range(n)]
 
 
 Runner = Callable[[], dict[str, Any]]
@@ -158,15 +151,7 @@ def _bench(a: argparse.Namespace) -> None:
             raise SystemExit(f"{model}: no model here (config.json missing); pass --model DIR "
                              f"or --random")
     probe = LLM(model, mode="ar", progress=False)
-    if probe.tokenizer is not None and model.resolve() == DEFAULT_MODEL.resolve():
-        from engine.tools.corpus import held_out_prompts
-
-        texts = held_out_prompts(a.prompts, a.seed)
-        prompts = [probe.encode_prompt(t) for t in texts]
-        source = "held-out corpus files"
-    else:
-        prompts = random_prompts(probe.models.target.cfg.vocab_size, a.prompts, a.seed)
-        source = "random token ids"
+    prompts, source = bench_prompts(probe, model, a.prompts, a.seed)
     del probe
     print(f"{len(prompts)} prompts ({source}), {a.max_new_tokens} new tokens each, batch "
           f"{a.batch}, {torch.get_num_threads()} threads", flush=True)

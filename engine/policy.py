@@ -34,9 +34,14 @@ class PolicyError(ValueError):
     pass
 
 
+def policy_path(device_type: str) -> Path:
+    """Where the policy of a device type ships (`graphs.profile --tune` writes it there)."""
+    return CONFIGS / f"budgets-{device_type}.toml"
+
+
 def default_policy(device_type: str) -> Path | None:
     """The shipped policy for a device type, if one was measured there."""
-    p = CONFIGS / f"budgets-{device_type}.toml"
+    p = policy_path(device_type)
     return p if p.is_file() else None
 
 

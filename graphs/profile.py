@@ -47,7 +47,7 @@ from engine.config import (
 from engine.dist import Group
 from engine.kv_cache import KVPool, pages_needed
 from engine.llm import load_models, model_pair, resolve_device
-from engine.policy import CONFIGS, TABLES, write_budgets
+from engine.policy import TABLES, policy_path, write_budgets
 from engine.request import Request
 from engine.runner import CaptureError, PhaseTimer, StepGraphRunner
 from engine.scheduler import Scheduler, step_inputs
@@ -388,7 +388,7 @@ def _profile(a: argparse.Namespace, bench: Bench, device: torch.device, dtype: t
         result["tp"] = bench.models.tp.world
     if a.tune:
         policy = best_budgets(tuned)
-        path = write_budgets(a.policy_out or CONFIGS / f"budgets-{device.type}.toml", policy,
+        path = write_budgets(a.policy_out or policy_path(device.type), policy,
                              tuned, note=(
             f"model {bench.model_dir.name}, drafter {bench.draft_dir and bench.draft_dir.name}, "
             f"{device} {dtype}, "
