@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from engine.config import DraftConfig
-from engine.dist import Group
+from engine.dist import Group, world_of
 from engine.models.layers import MLP, RMSNorm, cast_parameters, checkpoint_tensors, linear
 from engine.weights import load_checkpoint
 from ops.paged import draft_attention
@@ -29,7 +29,7 @@ class DraftAttention(nn.Module):
     def __init__(self, c: DraftConfig, tp: Group | None = None):
         super().__init__()
         self.c = c
-        w = 1 if tp is None else tp.world
+        w = world_of(tp)
         self.num_heads, self.num_kv_heads = c.num_attention_heads // w, c.num_key_value_heads // w
         H, hd = c.hidden_size, c.head_dim
         self.q_proj = linear(H, c.num_attention_heads * hd, tp, 0)
