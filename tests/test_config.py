@@ -60,8 +60,10 @@ def test_quantized_checkpoints_are_listed_as_stored(k2: ModelConfig, k25: ModelC
     t2 = _meta_model(k2).checkpoint_tensors()
     assert t2[e + "up_proj.weight"].dest.dtype == torch.float8_e4m3fn
     assert t2[e + "up_proj.weight_scale_inv"].shape == (16, 56)
-    assert t2["model.layers.0.self_attn.kv_b_proj.weight_scale_inv"].shape == (128, 4)
-    for name in ("model.embed_tokens.weight", "lm_head.weight", "model.layers.1.mlp.gate.weight"):
+    assert t2["model.layers.0.self_attn.q_b_proj.weight_scale_inv"].shape == (96, 12)
+    # kv_b_proj is absorbed whole into every step's attention: dequantized once, at load
+    for name in ("model.embed_tokens.weight", "lm_head.weight", "model.layers.1.mlp.gate.weight",
+                 "model.layers.0.self_attn.kv_b_proj.weight"):
         assert t2[name].dest.dtype != torch.float8_e4m3fn and name + "_scale_inv" not in t2
 
 

@@ -94,10 +94,12 @@ def test_sharded_equals_single(ckpts, single_weights) -> None:
         assert torch.equal(t, single_weights[name]), name
 
 
-def test_dtype_conversion_keeps_router_bias_fp32(ckpts, single_weights) -> None:
+def test_dtype_conversion_keeps_the_router_fp32(ckpts, single_weights) -> None:
     w = _load(ckpts["single"], dtype=torch.bfloat16)
     assert w["model.layers.1.mlp.gate.e_score_correction_bias"].dtype == torch.float32
-    assert w["model.layers.1.mlp.gate.weight"].dtype == torch.bfloat16
+    gate = "model.layers.1.mlp.gate.weight"  # scored in fp32 each step: kept fp32, not cast
+    assert w[gate].dtype == torch.float32
+    assert torch.equal(w[gate], single_weights[gate].float())
     assert torch.equal(w["lm_head.weight"], single_weights["lm_head.weight"].bfloat16())
 
 
@@ -139,7 +141,8 @@ def test_int4_experts_stay_packed(ckpts, single_weights) -> None:
 def test_fp8_linears_stay_fp8(ckpts, single_weights, tmp_path) -> None:
     """FP8 block weights load as stored (float8_e4m3fn and their fp32 scales), expert banks
     too where the expert intermediate size is a whole number of blocks; everything else (the
-    embedding, norms, router, lm_head) as written."""
+    embedding, norms, router, lm_head) as written, and `kv_b_proj` (absorbed whole into every
+    step's attention) dequantized once at load."""
     for d in (ckpts["fp8"], make_tiny(tmp_path / "fp8-128", seed=SEED, dtype="fp32", fp8=True,
                                       moe_intermediate_size=128)):
         raw = _raw(d)
@@ -148,8 +151,11 @@ def test_fp8_linears_stay_fp8(ckpts, single_weights, tmp_path) -> None:
         assert bank.fmt == ("fp8" if d.name == "fp8-128" else None)
         w = {name: s.dest for name, s in model.checkpoint_tensors().items()
              if bank.fmt or ".experts." not in name}
-        assert w.keys() == {n for n in raw if bank.fmt or ".experts." not in n}
-        assert "model.layers.0.self_attn.kv_b_proj.weight_scale_inv" in w
+        for kv_b in [n for n in w if ".kv_b_proj." in n]:
+            assert torch.equal(w.pop(kv_b), dequant_fp8_block(raw[kv_b], raw[kv_b + "_scale_inv"]))
+        assert w.keys() == {n for n in raw if (bank.fmt or ".experts." not in n)
+                            and ".kv_b_proj." not in n}
+        assert "model.layers.0.self_attn.q_a_proj.weight_scale_inv" in w
         for name, t in w.items():
             assert t.dtype == raw[name].dtype, name
             assert torch.equal(t.float(), raw[name].float()), name
@@ -358,3 +364,13 @@ def test_tiny_config_is_valid_with_groups() -> None:
     assert cfg.n_group == 4 and cfg.is_moe(2) and not cfg.is_moe(0)
     assert cfg.rope_scaling is not None and cfg.rope_scaling["type"] == "yarn"
     assert cfg.bos_token_id == cfg.vocab_size - 256 and cfg.eos_token_id == cfg.bos_token_id + 1
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_tied_embeddings_stay_tied(tmp_path, dtype) -> None:
+    """With `tie_word_embeddings` the loaded lm_head is the embedding itself, in any dtype
+    (building on the meta device and casting must not leave it an unloaded copy)."""
+    d = make_tiny(tmp_path / "tied", seed=SEED, dtype="fp32", tie_word_embeddings=True)
+    m = KimiForCausalLM.from_dir(d, dtype=dtype, progress=False)
+    assert m.lm_head.weight is m.model.embed_tokens.weight
+    assert torch.equal(m.lm_head.weight, _raw(d)["model.embed_tokens.weight"].to(dtype))

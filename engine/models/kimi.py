@@ -32,7 +32,6 @@ from torch import Tensor, nn
 from engine.config import ModelConfig
 from engine.dist import Group
 from engine.models.layers import (
-    FP8,
     MLP,
     ExpertBank,
     ParallelLMHead,
@@ -46,7 +45,6 @@ from engine.models.layers import (
 from engine.weights import load_checkpoint
 from ops.attention import PrefixKernel, absorbed_attention, joint_mask, mla_naive
 from ops.moe import dense_is_cheaper, route_noaux_tc
-from ops.quant import dequant_fp8_block
 from ops.rope import apply_rope_interleaved, rope_cos_sin, rope_frequencies
 
 # (attention module, normed hidden states, layer index) -> (attention output, extra)
@@ -54,6 +52,10 @@ Attend = Callable[[Any, Tensor, int], tuple[Tensor, Any]]
 
 
 class Router(nn.Module):
+    # Scores in fp32 (as transformers does): its weight stays fp32 whatever the model dtype
+    # (`cast_parameters`), so no step casts it.
+    keep_fp32 = True
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
@@ -64,7 +66,7 @@ class Router(nn.Module):
     def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
         """`x [T, H]` -> chosen experts and their weights, both `[T, k]`."""
         c = self.cfg
-        logits = F.linear(x.float(), self.weight.float())
+        logits = F.linear(x.float(), self.weight)
         return route_noaux_tc(logits, self.e_score_correction_bias, c.num_experts_per_tok,
                               c.n_group, c.topk_group, c.norm_topk_prob, c.routed_scaling_factor)
 
@@ -117,8 +119,10 @@ class MLA(nn.Module):
             self.q_proj = linear(H, nh * cfg.qk_head_dim, tp, 0, fp8=f8)
         self.kv_a_proj_with_mqa = linear(H, cfg.kv_cache_dim, fp8=f8)
         self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, cfg.rms_norm_eps)
+        # NOTE: not kept FP8: every step absorbs it into the queries and values whole, so it is
+        # dequantized once at load rather than in every layer of every step.
         self.kv_b_proj = linear(cfg.kv_lora_rank, nh * (cfg.qk_nope_head_dim + cfg.v_head_dim),
-                                tp, 0, fp8=f8)
+                                tp, 0)
         self.o_proj = linear(nh * cfg.v_head_dim, H, tp, 1, fp8=f8)
         self.scale = cfg.softmax_scale
 
@@ -151,11 +155,8 @@ class MLA(nn.Module):
 
     def _absorb_weights(self) -> tuple[Tensor, Tensor]:
         c = self.cfg
-        w = self.kv_b_proj.weight
-        if w.dtype == FP8:  # a small matrix, dequantized per call like every FP8 weight
-            w = dequant_fp8_block(w, self.kv_b_proj.weight_scale_inv, self.kv_b_proj.block,
-                                  self.kv_a_layernorm.weight.dtype)
-        w = w.view(self.num_heads, c.qk_nope_head_dim + c.v_head_dim, c.kv_lora_rank)
+        w = self.kv_b_proj.weight.view(self.num_heads, c.qk_nope_head_dim + c.v_head_dim,
+                                       c.kv_lora_rank)
         return w[:, :c.qk_nope_head_dim], w[:, c.qk_nope_head_dim:]  # W_UK, W_UV: [nh, D, R]
 
     def forward_absorbed(
@@ -217,11 +218,16 @@ class KimiForCausalLM(nn.Module):
             tp.divide(cfg.vocab_size, "vocab_size", cfg.source or "model config")
         self.model = Backbone(cfg, tp)
         self.lm_head = ParallelLMHead(cfg.hidden_size, cfg.vocab_size, tp)
-        if cfg.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
+        self.tie_weights()
         self.register_buffer("inv_freq", torch.empty(cfg.qk_rope_head_dim // 2),
                              persistent=False)
         self._init_rope()
+
+    def tie_weights(self) -> None:
+        """With `tie_word_embeddings`, the lm_head is the embedding (again after `to_empty`,
+        which gives every module its own tensors)."""
+        if self.cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
 
     def _init_rope(self) -> None:
         c = self.cfg
@@ -248,17 +254,14 @@ class KimiForCausalLM(nn.Module):
         with torch.device("meta"):
             model = cls(cfg, tp)
         model.to_empty(device=device)
+        model.tie_weights()
         # NOTE: buffers keep their dtypes: the selection-only router bias stays fp32, and
         # quantized weights and their scales stay as stored.
         cast_parameters(model, dtype)
         load_checkpoint(path, model.checkpoint_tensors(), prefix=cfg.weight_prefix,
                         quant=cfg.quantization, progress=progress)
         model._init_rope()
-        return model.finalize()
-
-    def finalize(self) -> KimiForCausalLM:
-        """Switch to inference: no grads."""
-        return self.eval().requires_grad_(False)
+        return model.eval().requires_grad_(False)
 
     def param_counts(self) -> tuple[int, int]:
         """`(total, activated)` parameters of the whole model (every rank's pieces), counted at

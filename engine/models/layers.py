@@ -114,12 +114,18 @@ class RMSNorm(nn.Module):
 
 
 def cast_parameters(model: nn.Module, dtype: torch.dtype) -> None:
-    """Floating-point parameters to `dtype`; buffers keep the dtype they were built with (fp32
-    router biases and rotary frequencies, checkpoint scales as stored)."""
+    """Floating-point parameters to `dtype`, except in modules marked `keep_fp32` (the MoE
+    router); buffers keep the dtype they were built with (fp32 router biases and rotary
+    frequencies, checkpoint scales as stored)."""
+    done: dict[int, nn.Parameter] = {}  # NOTE: a parameter two modules share stays shared
     for m in model.modules():
+        if getattr(m, "keep_fp32", False):
+            continue
         for name, p in m._parameters.items():
             if p is not None and p.is_floating_point():
-                m._parameters[name] = nn.Parameter(p.detach().to(dtype), p.requires_grad)
+                if id(p) not in done:
+                    done[id(p)] = nn.Parameter(p.detach().to(dtype), p.requires_grad)
+                m._parameters[name] = done[id(p)]
 
 
 def linear(in_features: int, out_features: int, tp: Group | None = None, split: int | None = None,
