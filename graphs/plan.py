@@ -186,7 +186,7 @@ class CostMode(TorchDispatchMode):
         return sum(_bytes(a) for a in args) + _bytes(out)
 
     def _kimi(self, name: str, args: Any, out: Any) -> int:
-        if name in ("moe_experts", "moe_experts_w4a16"):
+        if name in ("moe_experts", "moe_experts_w4a16", "moe_experts_fp8"):
             x, idx = args[0], args[1]
             T, H, k = x.shape[0], x.shape[1], idx.shape[1]
             E, i2 = args[3].shape[:2]

@@ -3,6 +3,8 @@
 - `torch.ops.kimi.moe_experts(x, idx, w, w13, w2, block=16)`: float expert weights.
 - `torch.ops.kimi.moe_experts_w4a16(x, idx, w, w13_packed, w13_scale, w2_packed, w2_scale,
   group_size=32, block=16)`: INT4 pack-quantized expert weights, dequantized per call.
+- `torch.ops.kimi.moe_experts_fp8(x, idx, w, w13, w13_scale_inv, w2, w2_scale_inv,
+  block_n=128, block_k=128, block=16)`: FP8 block expert weights, dequantized per call.
 - `torch.ops.kimi.fp8_linear(x, w, scale_inv, block_n=128, block_k=128)`: FP8 block weights.
 - `torch.ops.kimi.mla_prefix_attention(q_lat, q_pe, kv_cache, page_table, ctx_len, page_size,
   scale)` and `torch.ops.kimi.draft_context_attention(q, draft_cache, page_table, ctx_len,
@@ -12,8 +14,11 @@
 
 Shapes: `x [T, H]`, `idx/w [T, k]` (routing ids and weights; ids outside `[0, E)` are
 dropped), `w13 [E, 2I, H]` (gate rows then up rows), `w2 [E, H, I]`, packed as in
-`ops.quant.dequant_int4` -> `[T, H]` in x's dtype; `fp8_linear`: `x [..., K]`, `w [N, K]`
-float8_e4m3fn, `scale_inv [ceil(N/block_n), ceil(K/block_k)]` fp32 -> `[..., N]`.
+`ops.quant.dequant_int4` or float8_e4m3fn with `*_scale_inv [E, ceil(rows/block_n),
+ceil(cols/block_k)]` fp32 per matrix as in `ops.quant.dequant_fp8_block` -> `[T, H]` in x's
+dtype (`block` is the alignment block); only the experts a call routes to are dequantized.
+`fp8_linear`: `x [..., K]`, `w [N, K]` float8_e4m3fn, `scale_inv [ceil(N/block_n),
+ceil(K/block_k)]` fp32 -> `[..., N]`.
 
 Dispatch: CUDA tensors run the Triton kernels (`ops.moe_triton`, `ops.quant_triton`) when
 triton imports, otherwise (and on the CPU) the static-shape torch twins (`ops.moe.experts_aligned*`,
@@ -35,7 +40,7 @@ from torch import Tensor
 from torch.utils.flop_counter import register_flop_formula
 
 from ops import paged
-from ops.moe import experts_aligned, experts_aligned_w4a16, moe_flops
+from ops.moe import experts_aligned, experts_aligned_fp8, experts_aligned_w4a16, moe_flops
 from ops.quant import fp8_linear_torch
 
 
@@ -106,6 +111,40 @@ def _moe_experts_w4a16_fake(x: Tensor, idx: Tensor, w: Tensor, w13_packed: Tenso
     torch._check(w13_packed.dtype == torch.int32 and w2_packed.dtype == torch.int32,
                  lambda: "packed expert weights must be int32")
     _check_moe(x, idx, w, tuple(w13_packed.shape), -(-x.shape[1] // 8), tuple(w2_packed.shape))
+    return x.new_empty(x.shape)
+
+
+@torch.library.custom_op("kimi::moe_experts_fp8", mutates_args=())
+def moe_experts_fp8(x: Tensor, idx: Tensor, w: Tensor, w13: Tensor, w13_scale_inv: Tensor,
+                    w2: Tensor, w2_scale_inv: Tensor, block_n: int = 128, block_k: int = 128,
+                    block: int = 16) -> Tensor:
+    """Routed expert bank over FP8 block weights: `w13 [E, 2I, H]`, `w2 [E, H, I]`
+    float8_e4m3fn, `w13_scale_inv [E, 2I/block_n, H/block_k]`, `w2_scale_inv [E, H/block_n,
+    I/block_k]` fp32."""
+    if _use_triton(x):
+        from ops.moe_triton import moe_experts_fp8_triton
+
+        return moe_experts_fp8_triton(x, idx, w, w13, w13_scale_inv, w2, w2_scale_inv,
+                                      (block_n, block_k), block)
+    return experts_aligned_fp8(x, idx, w, w13, w13_scale_inv, w2, w2_scale_inv,
+                               (block_n, block_k), block)
+
+
+@moe_experts_fp8.register_fake
+def _moe_experts_fp8_fake(x: Tensor, idx: Tensor, w: Tensor, w13: Tensor, w13_scale_inv: Tensor,
+                          w2: Tensor, w2_scale_inv: Tensor, block_n: int = 128,
+                          block_k: int = 128, block: int = 16) -> Tensor:
+    torch._check(w13.dtype == torch.float8_e4m3fn and w2.dtype == torch.float8_e4m3fn,
+                 lambda: "FP8 expert weights must be float8_e4m3fn")
+    _check_moe(x, idx, w, tuple(w13.shape), x.shape[1], tuple(w2.shape))
+
+    def check_scale(name: str, t: Tensor, s: Tensor) -> None:
+        want = (t.shape[0], -(-t.shape[1] // block_n), -(-t.shape[2] // block_k))
+        torch._check(tuple(s.shape) == want,
+                     lambda: f"{name}_scale_inv {tuple(s.shape)} != {want} for {tuple(t.shape)}")
+
+    check_scale("w13", w13, w13_scale_inv)
+    check_scale("w2", w2, w2_scale_inv)
     return x.new_empty(x.shape)
 
 
@@ -182,6 +221,14 @@ def _moe_experts_w4a16_flop(x_shape, idx_shape, w_shape, w13_packed_shape, w13_s
                             block: int = 16, *, out_shape=None, **kwargs) -> int:
     (T, k), (E, i2) = idx_shape, w13_packed_shape[:2]
     return moe_flops(T, k, E, x_shape[1], i2 // 2, block)[0]
+
+
+@register_flop_formula(torch.ops.kimi.moe_experts_fp8)
+def _moe_experts_fp8_flop(x_shape, idx_shape, w_shape, w13_shape, w13_scale_inv_shape, w2_shape,
+                          w2_scale_inv_shape, block_n: int = 128, block_k: int = 128,
+                          block: int = 16, *, out_shape=None, **kwargs) -> int:
+    (T, k), (E, i2, H) = idx_shape, w13_shape
+    return moe_flops(T, k, E, H, i2 // 2, block)[0]
 
 
 @register_flop_formula(torch.ops.kimi.fp8_linear)

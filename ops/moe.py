@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ops.quant import dequant_int4
+from ops.quant import dequant_fp8_block, dequant_int4
 
 
 def route_noaux_tc(
@@ -224,14 +224,40 @@ def experts_aligned(
                                 lambda e: (w13[e], w2[e]), chunk)
 
 
-def _dequant_experts(packed: Tensor, scale: Tensor, experts: Tensor, cols: int, group: int,
-                     dtype: torch.dtype) -> Tensor:
-    """Dequantize only `experts [C]` of a packed bank `[E, rows, ceil(cols/8)]` -> `[C, rows,
-    cols]`, through `dequant_int4` (so bit for bit what dequantizing the whole bank gives)."""
-    c, rows = experts.shape[0], packed.shape[1]
-    q = dequant_int4(packed[experts].reshape(c * rows, -1), scale[experts].reshape(c * rows, -1),
-                     (c * rows, cols), group, dtype)
+def pick_experts(bank: Tensor, experts: Tensor | int | None) -> Tensor:
+    """`experts` of a stacked `bank [E, ...]` -> `[C, ...]`: an index tensor `[C]` gathers, an
+    int `e` slices (`C = 1`, no index tensor to build or copy to the device), None keeps all."""
+    if experts is None:
+        return bank
+    if isinstance(experts, int):
+        return bank[experts:experts + 1]
+    return bank[experts]
+
+
+def dequant_experts_int4(packed: Tensor, scale: Tensor, experts: Tensor | int | None, cols: int,
+                         group: int, dtype: torch.dtype) -> Tensor:
+    """Dequantize only `experts` (see `pick_experts`) of an INT4 bank `packed [E, rows,
+    ceil(cols/8)]`, `scale [E, rows, ceil(cols/group)]` -> `[C, rows, cols]`, through
+    `dequant_int4` (so bit for bit what dequantizing the whole bank gives)."""
+    p, s = pick_experts(packed, experts), pick_experts(scale, experts)
+    c, rows = p.shape[:2]
+    q = dequant_int4(p.reshape(c * rows, -1), s.reshape(c * rows, -1), (c * rows, cols), group,
+                     dtype)
     return q.view(c, rows, cols)
+
+
+def dequant_experts_fp8(w: Tensor, scale_inv: Tensor, experts: Tensor | int | None,
+                        scale_block: tuple[int, int], dtype: torch.dtype) -> Tensor:
+    """Dequantize only `experts` (see `pick_experts`) of an FP8 block bank `w [E, rows, cols]`
+    float8_e4m3fn, `scale_inv [E, ceil(rows/b0), ceil(cols/b1)]` -> `[C, rows, cols]`, through
+    `dequant_fp8_block` (bit for bit what it gives on each expert): the row blocks are expanded
+    per expert here, so the experts stack into one `[C * rows, cols]` matrix of `(1, b1)`
+    blocks, whatever `rows % b0`."""
+    q, s = pick_experts(w, experts), pick_experts(scale_inv, experts)
+    c, rows, cols = q.shape
+    s = s.repeat_interleave(scale_block[0], dim=1)[:, :rows]  # [C, rows, ceil(cols/b1)]
+    return dequant_fp8_block(q.reshape(c * rows, cols), s.reshape(c * rows, -1),
+                             (1, scale_block[1]), dtype).view(c, rows, cols)
 
 
 def experts_aligned_w4a16(
@@ -257,8 +283,36 @@ def experts_aligned_w4a16(
                           chunk_blocks)
 
     def load(e: Tensor) -> tuple[Tensor, Tensor]:
-        return (_dequant_experts(w13_packed, w13_scale, e, H, group_size, x.dtype),
-                _dequant_experts(w2_packed, w2_scale, e, inter, group_size, x.dtype))
+        return (dequant_experts_int4(w13_packed, w13_scale, e, H, group_size, x.dtype),
+                dequant_experts_int4(w2_packed, w2_scale, e, inter, group_size, x.dtype))
+
+    return _experts_over_blocks(x, w, sorted_ids, block_expert, k, block, load, chunk)
+
+
+def experts_aligned_fp8(
+    x: Tensor, idx: Tensor, w: Tensor, w13: Tensor, w13_scale_inv: Tensor, w2: Tensor,
+    w2_scale_inv: Tensor, scale_block: tuple[int, int] = (128, 128), block: int = 16,
+    chunk_blocks: int | None = None,
+) -> Tensor:
+    """`experts_aligned` over an FP8 block bank (`ops.quant.dequant_fp8_block` format: `W = w *
+    scale_inv` per `scale_block = (b0, b1)` block of each expert's matrix).
+
+    `x [T, H]`, `idx/w [T, k]`, `w13 [E, 2I, H]` float8_e4m3fn, `w13_scale_inv [E,
+    ceil(2I/b0), ceil(H/b1)]` fp32, `w2 [E, H, I]` float8_e4m3fn, `w2_scale_inv [E,
+    ceil(H/b0), ceil(I/b1)]` -> `[T, H]` in x's dtype. As `experts_aligned_w4a16`: each chunk
+    dequantizes (to x's dtype) only the experts of its blocks, and the result is bit for bit
+    `experts_aligned` on the dequantized bank.
+    """
+    T, k = idx.shape
+    H = x.shape[1]
+    E, I2 = w13.shape[:2]
+    sorted_ids, block_expert, _ = moe_align_block_size(idx, E, block)
+    chunk = _chunk_blocks(block_expert.shape[0], I2 * H + H * (I2 // 2), x.element_size(),
+                          chunk_blocks)
+
+    def load(e: Tensor) -> tuple[Tensor, Tensor]:
+        return (dequant_experts_fp8(w13, w13_scale_inv, e, scale_block, x.dtype),
+                dequant_experts_fp8(w2, w2_scale_inv, e, scale_block, x.dtype))
 
     return _experts_over_blocks(x, w, sorted_ids, block_expert, k, block, load, chunk)
 
@@ -277,21 +331,25 @@ def moe_flops(T: int, k: int, E: int, H: int, I: int, block: int) -> tuple[int, 
 
 def moe_bytes(T: int, k: int, E: int, H: int, I: int, *, weights: str = "bf16",  # noqa: E741
               act_bytes: int = 2, group_size: int = 32, scale_bytes: int = 2,
-              block: int = 16) -> dict[str, int]:
+              scale_block: tuple[int, int] = (128, 128), block: int = 16) -> dict[str, int]:
     """Bytes the expert op moves, as stored, for a cost model.
 
     `weights`: "int4" (packed int32 words, 0.5 B a value, plus `scale_bytes` per group scale),
-    or "bf16" / "fp16" / "fp32" / "fp8". Weights are read for at most `min(E, T*k)` distinct
-    experts, each once. `activations`: x read, output written, `idx` (int64) and `w` (fp32)
-    read. `scratch`: the Triton path's intermediate `[cap, I]` (x's dtype) and per-pair fp32
-    `[T*k, H]` rows, each written once and read once. `total` is the sum of the three.
+    "fp8" (1 B a value, plus an fp32 scale per `scale_block` block of each matrix), or "bf16" /
+    "fp16" / "fp32". Weights are read for at most `min(E, T*k)` distinct experts, each once.
+    `activations`: x read, output written, `idx` (int64) and `w` (fp32) read. `scratch`: the
+    Triton path's intermediate `[cap, I]` (x's dtype) and per-pair fp32 `[T*k, H]` rows, each
+    written once and read once. `total` is the sum of the three.
     """
     experts = min(E, T * k)
     if weights == "int4":
         per = 4 * (2 * I * -(-H // 8) + H * -(-I // 8))
         per += scale_bytes * (2 * I * -(-H // group_size) + H * -(-I // group_size))
+    elif weights == "fp8":
+        b0, b1 = scale_block
+        per = 3 * I * H + 4 * (-(-2 * I // b0) * -(-H // b1) + -(-H // b0) * -(-I // b1))
     else:
-        per = 3 * I * H * {"bf16": 2, "fp16": 2, "fp32": 4, "fp8": 1}[weights]
+        per = 3 * I * H * {"bf16": 2, "fp16": 2, "fp32": 4}[weights]
     w_bytes = experts * per
     act = 2 * T * H * act_bytes + T * k * (8 + 4)
     scratch = 2 * moe_align_capacity(T * k, E, block) * I * act_bytes + 2 * T * k * H * 4

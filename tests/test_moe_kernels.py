@@ -1,13 +1,16 @@
-"""Static-shape expert alignment, the expert bank over it (torch twin and Triton kernels, float
-and INT4 W4A16 weights), and the `kimi::moe_experts*` custom ops.
+"""Static-shape expert alignment, the expert bank over it (torch twin and Triton kernels, float,
+INT4 W4A16 and FP8 block weights), the `kimi::moe_experts*` custom ops, and `ExpertBank`'s
+quantized dispatch.
 
 Triton kernels run on CPU tensors under Triton's interpreter (`ops.triton_util.kernel_for`
 picks it per call; no `TRITON_INTERPRET` setup needed) and compiled on CUDA when present.
-Tolerances: integer paths (alignment, INT4 unpacking) exact; the torch twin against
-`experts_dense` / `experts_sparse` at the fp32 defaults of `assert_close`; the Triton kernels
-against the twin (same rounding points, other summation order) at the fp32 defaults for fp32,
-and `rtol = 1e-2` with `atol = 1e-2 * max|ref|` for bf16 / fp16 (they agree bit for bit on
-almost every element; that bound allows a one-ulp bf16 flip of intermediate values).
+Tolerances: integer paths (alignment, INT4 unpacking) and per-chunk dequantization (INT4,
+FP8: elementwise, so the quantized twins equal the float twin on the dequantized bank) exact;
+the torch twin against `experts_dense` / `experts_sparse` at the fp32 defaults of
+`assert_close`; the Triton kernels against the twin (same rounding points, other summation
+order) at the fp32 defaults for fp32, and `rtol = 1e-2` with `atol = 1e-2 * max|ref|` for bf16
+/ fp16 (they agree bit for bit on almost every element; that bound allows a one-ulp bf16 flip
+of intermediate values).
 """
 
 from __future__ import annotations
@@ -18,8 +21,12 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils.flop_counter import FlopCounterMode
 
 import ops.custom_ops  # noqa: F401  (registers torch.ops.kimi.*)
+from engine.models.layers import ExpertBank
 from ops.moe import (
+    dequant_experts_fp8,
+    dequant_experts_int4,
     experts_aligned,
+    experts_aligned_fp8,
     experts_aligned_w4a16,
     experts_dense,
     experts_sparse,
@@ -29,12 +36,16 @@ from ops.moe import (
     moe_flops,
     route_noaux_tc,
 )
-from ops.quant import dequant_int4, pack_int4
+from ops.quant import dequant_fp8_block, dequant_int4, pack_int4, quantize_fp8_block
 
 try:
-    from ops.moe_triton import moe_experts_triton, moe_experts_w4a16_triton
+    from ops.moe_triton import (
+        moe_experts_fp8_triton,
+        moe_experts_triton,
+        moe_experts_w4a16_triton,
+    )
 except ImportError:  # triton is the optional `gpu` extra
-    moe_experts_triton = moe_experts_w4a16_triton = None
+    moe_experts_triton = moe_experts_w4a16_triton = moe_experts_fp8_triton = None
 
 needs_triton = pytest.mark.skipif(moe_experts_triton is None, reason="needs triton")
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
@@ -125,6 +136,11 @@ def test_align_and_twins_under_fake_tensors() -> None:
             torch.zeros(E, H, inter // 8, dtype=torch.int32),
             torch.ones(E, H, inter // 32, dtype=torch.bfloat16), chunk_blocks=2)
         assert y.shape == (T, H) and y.dtype == torch.bfloat16
+        f8 = torch.float8_e4m3fn
+        y = experts_aligned_fp8(
+            x, ids, w, torch.zeros(E, 2 * inter, H, dtype=f8), torch.ones(E, 1, 2),
+            torch.zeros(E, H, inter, dtype=f8), torch.ones(E, 2, 1), (64, 32), chunk_blocks=2)
+        assert y.shape == (T, H) and y.dtype == torch.bfloat16
     meta = {"device": "meta"}
     y = experts_aligned(torch.empty(T, H, **meta), torch.empty(T, k, dtype=torch.int64, **meta),
                         torch.empty(T, k, **meta), torch.empty(E, 2 * inter, H, **meta),
@@ -148,6 +164,22 @@ def _dequant_bank(packed: torch.Tensor, scale: torch.Tensor, cols: int,
                   dtype: torch.dtype) -> torch.Tensor:
     return torch.stack([dequant_int4(packed[e], scale[e], (packed.shape[1], cols), 32, dtype)
                         for e in range(packed.shape[0])])
+
+
+def _fp8_bank(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    parts = [quantize_fp8_block(w[e].float(), block) for e in range(w.shape[0])]
+    return torch.stack([p[0] for p in parts]), torch.stack([p[1] for p in parts])
+
+
+def _dequant_fp8_bank(w8: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int],
+                      dtype: torch.dtype) -> torch.Tensor:
+    return torch.stack([dequant_fp8_block(w8[e], scale_inv[e], block, dtype)
+                        for e in range(w8.shape[0])])
+
+
+# FP8 blocks with partial edges: w13 [80, 96] in 3 x 2 blocks (the last row block 16 rows, the
+# last column block 32 columns), w2 [96, 40] in 3 x 1.
+FP8_BLOCK = (32, 64)
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -197,6 +229,49 @@ def test_w4a16_twin_is_the_float_twin_on_the_dequantized_bank(dtype: torch.dtype
     got = experts_aligned_w4a16(x, idx, w, p13, s13, p2, s2, 32, 16)
     # Exact: per-chunk dequantization is elementwise, then the same ops on the same shapes.
     assert torch.equal(got, experts_aligned(x, idx, w, d13, d2, 16))
+    want = experts_dense(x, idx, w, d13, d2)
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, want)  # only the summation order differs
+    else:  # experts_dense rounds g, u, silu and the products to bf16 at every step
+        torch.testing.assert_close(got.float(), want.float(), rtol=2e-2,
+                                   atol=2e-2 * want.float().abs().max().item())
+
+
+def test_dequant_experts_picks_tensor_int_or_all() -> None:
+    """The bank helpers dequantize just the chosen experts (an index tensor, an int, or all)
+    bit for bit as the per-matrix `dequant_int4` / `dequant_fp8_block`."""
+    g = torch.Generator().manual_seed(12)
+    E, H, inter = 5, 96, 40
+    w13, w2 = _bank(E, inter, H, g)
+    p2, s2 = _pack_bank(w2)
+    q13, r13 = _fp8_bank(w13, FP8_BLOCK)
+    for dtype in (torch.float32, torch.bfloat16):
+        d4 = _dequant_bank(p2, s2, inter, dtype)
+        d8 = _dequant_fp8_bank(q13, r13, FP8_BLOCK, dtype)
+        for pick, want in ((None, slice(None)), (3, slice(3, 4)), (torch.tensor([4, 0, 4]),
+                                                                    [4, 0, 4])):
+            got4 = dequant_experts_int4(p2, s2, pick, inter, 32, dtype)
+            got8 = dequant_experts_fp8(q13, r13, pick, FP8_BLOCK, dtype)
+            assert got4.dtype == got8.dtype == dtype
+            assert torch.equal(got4, d4[want]) and torch.equal(got8, d8[want])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fp8_twin_is_the_float_twin_on_the_dequantized_bank(dtype: torch.dtype) -> None:
+    g = torch.Generator().manual_seed(13)
+    T, k, E, H, inter = 7, 3, 5, 96, 40
+    idx = _routing("random", T, k, E, g)
+    x, w = torch.randn(T, H, generator=g).to(dtype), torch.rand(T, k, generator=g)
+    w13, w2 = _bank(E, inter, H, g)
+    q13, r13 = _fp8_bank(w13, FP8_BLOCK)
+    q2, r2 = _fp8_bank(w2, FP8_BLOCK)
+    d13 = _dequant_fp8_bank(q13, r13, FP8_BLOCK, dtype)
+    d2 = _dequant_fp8_bank(q2, r2, FP8_BLOCK, dtype)
+    got = experts_aligned_fp8(x, idx, w, q13, r13, q2, r2, FP8_BLOCK, 16)
+    # Exact: per-chunk dequantization is elementwise, then the same ops on the same shapes.
+    assert torch.equal(got, experts_aligned(x, idx, w, d13, d2, 16))
+    assert torch.equal(experts_aligned_fp8(x, idx, w, q13, r13, q2, r2, FP8_BLOCK, 16,
+                                           chunk_blocks=1), got)
     want = experts_dense(x, idx, w, d13, d2)
     if dtype == torch.float32:
         torch.testing.assert_close(got, want)  # only the summation order differs
@@ -264,6 +339,18 @@ def test_triton_experts_match_twin(device: str, dtype: torch.dtype, kind: str, T
     d13, d2 = _dequant_bank(p13, s13, H, dtype), _dequant_bank(p2, s2, inter, dtype)
     plain = moe_experts_triton(dev[0], dev[1], dev[2], d13.to(device), d2.to(device), block)
     assert torch.equal(got4, plain.cpu())
+    # FP8 blocks (partial edge blocks in both matrices), likewise exact against the float
+    # kernel on the dequantized bank.
+    q13, r13 = _fp8_bank(w13.float(), FP8_BLOCK)
+    q2, r2 = _fp8_bank(w2.float(), FP8_BLOCK)
+    ref8 = experts_aligned_fp8(x, idx, w, q13, r13, q2, r2, FP8_BLOCK, block)
+    got8 = moe_experts_fp8_triton(dev[0], dev[1], dev[2], q13.to(device), r13.to(device),
+                                  q2.to(device), r2.to(device), FP8_BLOCK, block).cpu()
+    torch.testing.assert_close(got8, ref8, **_tol(ref8))
+    d13 = _dequant_fp8_bank(q13, r13, FP8_BLOCK, dtype)
+    d2 = _dequant_fp8_bank(q2, r2, FP8_BLOCK, dtype)
+    plain = moe_experts_triton(dev[0], dev[1], dev[2], d13.to(device), d2.to(device), block)
+    assert torch.equal(got8, plain.cpu())
 
 
 @needs_triton
@@ -312,6 +399,18 @@ def test_triton_experts_real_size_slice(device: str) -> None:
     ref = experts_aligned(x, idx, w, d13, d2, 16)
     got = moe_experts_triton(*(t.to(device) for t in (x, idx, w, d13, d2)), 16, **tiles).cpu()
     torch.testing.assert_close(got, ref, **_tol(ref))
+    # Kimi K2's FP8 bank at TP 8: 128 x 128 blocks, the shard's 256 rows two blocks of gate
+    # and two of up.
+    q13 = (torch.randn(E, 2 * inter, H, generator=g) * 64).to(torch.float8_e4m3fn)
+    q2 = (torch.randn(E, H, inter, generator=g) * 64).to(torch.float8_e4m3fn)
+    r13 = torch.rand(E, 2 * inter // 128, H // 128, generator=g) * 3e-4 + 5e-5
+    r2 = torch.rand(E, H // 128, inter // 128, generator=g) * 2e-3 + 1e-4
+    ref = experts_aligned_fp8(x, idx, w, q13, r13, q2, r2, (128, 128), 16)
+    got = moe_experts_fp8_triton(*(t.to(device) for t in (x, idx, w, q13, r13, q2, r2)),
+                                 (128, 128), 16, **tiles).cpu()
+    torch.testing.assert_close(got, ref, **_tol(ref))
+    assert torch.equal(got[1], torch.zeros(H, dtype=torch.bfloat16))
+    assert ref.float().abs().max() > 0.1
 
 
 def _op_args(T: int = 5, k: int = 2, E: int = 4, H: int = 64, inter: int = 32,
@@ -330,6 +429,10 @@ def test_custom_ops_cpu_run_the_twins() -> None:
     p2, s2 = _pack_bank(w2)
     got = torch.ops.kimi.moe_experts_w4a16(x, idx, w, p13, s13, p2, s2)
     assert torch.equal(got, experts_aligned_w4a16(x, idx, w, p13, s13, p2, s2, 32, 16))
+    q13, r13 = _fp8_bank(w13, (16, 32))
+    q2, r2 = _fp8_bank(w2, (16, 32))
+    got = torch.ops.kimi.moe_experts_fp8(x, idx, w, q13, r13, q2, r2, 16, 32)
+    assert torch.equal(got, experts_aligned_fp8(x, idx, w, q13, r13, q2, r2, (16, 32), 16))
 
 
 def test_custom_ops_opcheck() -> None:
@@ -339,6 +442,13 @@ def test_custom_ops_opcheck() -> None:
     torch.library.opcheck(torch.ops.kimi.moe_experts.default, (x, idx, w, w13, w2, 16))
     torch.library.opcheck(torch.ops.kimi.moe_experts_w4a16.default,
                           (x, idx, w, p13, s13, p2, s2, 32, 16))
+    q13, r13 = _fp8_bank(w13, (16, 32))
+    q2, r2 = _fp8_bank(w2, (16, 32))
+    # NOTE: opcheck's test_schema multiplies every input tensor, which CPU float8 lacks.
+    torch.library.opcheck(torch.ops.kimi.moe_experts_fp8.default,
+                          (x, idx, w, q13, r13, q2, r2, 16, 32, 16),
+                          test_utils=("test_autograd_registration", "test_faketensor",
+                                      "test_aot_dispatch_dynamic"))
 
 
 def _meta_args(T: int, k: int, E: int, H: int, inter: int, device: str = "meta"):
@@ -365,12 +475,29 @@ def test_custom_ops_fake_meta_and_flops() -> None:
     with FlopCounterMode(display=False) as fc:
         torch.ops.kimi.moe_experts(*args[:3], w13, w2, block=64)
     assert fc.get_total_flops() == useful
+    f8 = torch.float8_e4m3fn
+    fp8 = (torch.empty(E, 2 * inter, H, dtype=f8, device="meta"),
+           torch.empty(E, 2 * inter // 128, H // 128, device="meta"),
+           torch.empty(E, H, inter, dtype=f8, device="meta"),
+           torch.empty(E, H // 128, inter // 128, device="meta"))
+    with FlopCounterMode(display=False) as fc:
+        y = torch.ops.kimi.moe_experts_fp8(*args[:3], *fp8)
+    assert y.device.type == "meta" and y.shape == (T, H) and y.dtype == torch.bfloat16
+    assert fc.get_total_flops() == useful
     with FakeTensorMode():
         fake = _meta_args(4, 2, 8, 256, 64, device="cpu")
         y = torch.ops.kimi.moe_experts_w4a16(*fake, 32, 32)
         assert y.shape == (4, 256) and y.dtype == torch.bfloat16
         with pytest.raises(RuntimeError, match="w2"):
             torch.ops.kimi.moe_experts_w4a16(*fake[:5], fake[5][:, :128], fake[6])
+        f13, f2 = torch.empty(8, 128, 256, dtype=f8), torch.empty(8, 256, 64, dtype=f8)
+        r13, r2 = torch.ones(8, 1, 2), torch.ones(8, 2, 1)
+        y = torch.ops.kimi.moe_experts_fp8(*fake[:3], f13, r13, f2, r2, 128, 128, 32)
+        assert y.shape == (4, 256) and y.dtype == torch.bfloat16
+        with pytest.raises(RuntimeError, match="w2_scale_inv"):
+            torch.ops.kimi.moe_experts_fp8(*fake[:3], f13, r13, f2, r2[:, :1])
+        with pytest.raises(RuntimeError, match="float8"):
+            torch.ops.kimi.moe_experts_fp8(*fake[:3], f13.float(), r13, f2, r2)
 
 
 def test_moe_bytes() -> None:
@@ -383,32 +510,73 @@ def test_moe_bytes() -> None:
     assert b["scratch"] == 2 * moe_align_capacity(T * k, E, 16) * inter * 2 + 2 * T * k * H * 4
     assert b["total"] == b["weights"] + b["activations"] + b["scratch"]
     assert moe_bytes(1, 8, 4, H, inter, weights="bf16")["weights"] == 4 * 3 * inter * H * 2
+    # FP8: a byte a value and an fp32 scale per 128 x 128 block (Kimi K2's TP-8 expert shard)
+    scales = 4 * (2 * inter // 128 * H // 128 + H // 128 * inter // 128)
+    assert moe_bytes(1, 8, 4, H, inter, weights="fp8")["weights"] == 4 * (3 * inter * H + scales)
 
 
 @needs_triton
 @pytest.mark.cuda
-def test_cuda_graph_replays_new_routing_without_syncs() -> None:
+@pytest.mark.parametrize("quant", ["int4", "fp8"])
+def test_cuda_graph_replays_new_routing_without_syncs(quant: str) -> None:
     T, k, E, H, inter = 8, 4, 16, 256, 128
     g = torch.Generator().manual_seed(4)
     w13, w2 = _bank(E, inter, H, g, torch.bfloat16)
-    p13, s13 = (t.cuda() for t in _pack_bank(w13.float()))
-    p2, s2 = (t.cuda() for t in _pack_bank(w2.float()))
+    pack = _pack_bank if quant == "int4" else lambda t: _fp8_bank(t, (128, 128))
+    p13, s13 = (t.cuda() for t in pack(w13.float()))
+    p2, s2 = (t.cuda() for t in pack(w2.float()))
     x = torch.randn(T, H, generator=g).to(torch.bfloat16).cuda()
     idx = _routing("random", T, k, E, g).cuda()
     w = torch.rand(T, k, generator=g).cuda()
     args = (x, idx, w, p13, s13, p2, s2)
-    torch.ops.kimi.moe_experts_w4a16(*args)  # compile outside the checks
+    op = torch.ops.kimi.moe_experts_w4a16 if quant == "int4" else torch.ops.kimi.moe_experts_fp8
+    twin = experts_aligned_w4a16 if quant == "int4" else experts_aligned_fp8
+    op(*args)  # compile outside the checks
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        torch.ops.kimi.moe_experts_w4a16(*args)
+        op(*args)
     finally:
         torch.cuda.set_sync_debug_mode(0)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = torch.ops.kimi.moe_experts_w4a16(*args)
+        out = op(*args)
     for kind in ("one_expert", "empty_experts", "random"):
         idx.copy_(_routing(kind, T, k, E, g))
         graph.replay()
-        want = experts_aligned_w4a16(*(t.cpu() for t in args), 32, 16)
+        want = twin(*(t.cpu() for t in args))
         torch.testing.assert_close(out.cpu(), want, **_tol(want))
+
+
+@pytest.mark.parametrize("fmt", ["int4", "fp8"])
+def test_quantized_bank_dequantizes_only_the_chosen_experts(monkeypatch, fmt: str) -> None:
+    """A quantized `ExpertBank`'s "aligned" mode (`kimi::moe_experts_w4a16` / `_fp8`) and
+    "sparse" mode give its "dense" result without dequantizing the whole bank; "sparse" asks
+    for one expert at a time by int (no index tensor to copy to the device per expert)."""
+    g = torch.Generator().manual_seed(14)
+    T, k, E, H, inter = 9, 3, 6, 96, 64
+    idx = _routing("empty_experts", T, k, E, g)  # experts 1 and 3 only
+    x, w = torch.randn(T, H, generator=g), torch.rand(T, k, generator=g)
+    bank = ExpertBank(E, H, inter, fmt=fmt, block=FP8_BLOCK)
+    assert bank.fmt == fmt
+    w13, w2 = _bank(E, inter, H, g)
+    pack = _pack_bank if fmt == "int4" else lambda t: _fp8_bank(t, FP8_BLOCK)
+    for (q, s), name in ((pack(w13), "w13"), (pack(w2), "w2")):
+        names = ("_packed", "_scale") if fmt == "int4" else ("", "_scale_inv")
+        getattr(bank, name + names[0]).copy_(q)
+        getattr(bank, name + names[1]).copy_(s)
+    dense = bank(x, idx, w, "dense")
+    whole = bank.weights(None, torch.float32)
+    torch.testing.assert_close(dense, experts_dense(x, idx, w, *whole))
+    real, asked = ExpertBank.weights, []
+
+    def weights(self: ExpertBank, experts, dtype: torch.dtype):
+        assert experts is not None, "the whole bank was dequantized"
+        asked.append(experts)
+        return real(self, experts, dtype)
+
+    monkeypatch.setattr(ExpertBank, "weights", weights)
+    torch.testing.assert_close(bank(x, idx, w, "aligned"), dense)
+    assert asked == []  # the op dequantizes each chunk's experts itself
+    torch.testing.assert_close(bank(x, idx, w, "sparse"), dense)
+    assert asked == [1, 3] and all(type(e) is int for e in asked)

@@ -63,3 +63,23 @@ def test_step_cost_follows_the_live_work(tmp_path):
     assert tree["allreduce_bytes"] == 2 * 61 * 17 * 7168 * 2 + 17 * 7168 * 2  # + embedding
     ar = {r["mode"]: r for r in long["rows"]}["ar"]
     assert ar["bytes"] < tree["bytes"] and tree["speedup"]["H200"] > 0
+
+
+def test_kimi_k2_fp8_step_reads_only_the_routed_experts(tmp_path):
+    """K2's FP8 expert banks run `kimi::moe_experts_fp8` on the captured step: batch 1, budget
+    16, 4096 tokens of context on 8 ranks read at most 1.5x what the tokens need (at most
+    tokens x top-k distinct experts per MoE layer, a byte a value plus the block scales),
+    never the whole bank dequantized."""
+    r = _plan(tmp_path, "--model", str(CONFIGS / "kimi-k2-instruct"), "--tp", "8", "--cost",
+              "--batch-sizes", "1", "--budgets", "16", "--context", "4096",
+              "--max-model-len", "8192")
+    # 60 MoE layers of 384 experts, each 3 x 256 x 7168 fp8 values on a rank with an fp32
+    # scale per 128 x 128 block
+    per_expert = 3 * 256 * 7168 + 4 * 3 * 2 * 56
+    # the embedding's rank slice is only looked up, one row a token
+    non_expert = r["weight_bytes_per_rank"] - 60 * 384 * per_expert - 163840 // 8 * 7168 * 2
+    rows = {row["mode"]: row for row in r["rows"]}
+    for mode, tokens in (("ar", 1), ("tree", 17)):
+        need = non_expert + 60 * min(384, tokens * 8) * per_expert + 4096 * r["kv_bytes_per_token"]
+        assert need <= rows[mode]["bytes"] <= 1.5 * need, mode
+    assert rows["tree"]["peak_activation_bytes"] < 1e9

@@ -31,8 +31,14 @@ from torch import Tensor, nn
 
 import ops.custom_ops  # noqa: F401 - registers the kimi:: ops the quantized layers call
 from engine.dist import Group, world_of
-from ops.moe import experts_dense, experts_sparse, experts_sparse_by
-from ops.quant import dequant_fp8_block, dequant_int4
+from ops.moe import (
+    dequant_experts_fp8,
+    dequant_experts_int4,
+    experts_dense,
+    experts_sparse,
+    experts_sparse_by,
+    pick_experts,
+)
 
 FP8 = torch.float8_e4m3fn
 
@@ -297,44 +303,41 @@ class ExpertBank(nn.Module):
                     out[f"{e}.{proj}_proj.weight_shape"] = Stored((2,), None, None, value=shape)
         return out
 
-    def weights(self, experts: Tensor | None, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-        """`(w13 [C, 2I, H], w2 [C, H, I])` of `experts [C]` (None: all) as `dtype` floats,
-        dequantized on the spot from a quantized bank (only those experts)."""
-        def pick(t: Tensor) -> Tensor:
-            return t if experts is None else t[experts]
-
-        if self.fmt is None:
-            return pick(self.w13), pick(self.w2)
-        out = []
-        for name, cols in (("w13", self.hidden), ("w2", self.inter)):
-            if self.fmt == "int4":
-                p, s = pick(getattr(self, f"{name}_packed")), pick(getattr(self, f"{name}_scale"))
-                out.append(dequant_int4(p.flatten(0, 1), s.flatten(0, 1),
-                                        (p.shape[0] * p.shape[1], cols), self.group, dtype)
-                           .view(*p.shape[:2], cols))
-            else:
-                q, s = pick(getattr(self, name)), pick(getattr(self, f"{name}_scale_inv"))
-                out.append(torch.stack([dequant_fp8_block(q[c], s[c], self.block, dtype)
-                                        for c in range(q.shape[0])]))
-        return out[0], out[1]
+    def weights(self, experts: Tensor | int | None, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """`(w13 [C, 2I, H], w2 [C, H, I])` of `experts [C]` (an int: that one, `C = 1`; None:
+        all) as `dtype` floats, dequantized on the spot from a quantized bank (only those
+        experts; `ops.moe.dequant_experts_*`). A plain bank gives its own dtype."""
+        if self.fmt == "int4":
+            return (dequant_experts_int4(self.w13_packed, self.w13_scale, experts, self.hidden,
+                                         self.group, dtype),
+                    dequant_experts_int4(self.w2_packed, self.w2_scale, experts, self.inter,
+                                         self.group, dtype))
+        if self.fmt == "fp8":
+            return (dequant_experts_fp8(self.w13, self.w13_scale_inv, experts, self.block, dtype),
+                    dequant_experts_fp8(self.w2, self.w2_scale_inv, experts, self.block, dtype))
+        return pick_experts(self.w13, experts), pick_experts(self.w2, experts)
 
     def forward(self, x: Tensor, idx: Tensor, w: Tensor, mode: str = "dense") -> Tensor:
         """`x [T, H]`, routing `idx / w [T, k]` -> `[T, H]`. `mode`: "sparse" sends each token
         through its chosen experts only (eager only: data-dependent shapes); "dense" runs every
-        expert on every token (fixed shapes, cheap for a small bank); "aligned" runs only the
-        chosen experts at fixed shapes (`ops.moe.moe_align_block_size`; Triton on CUDA)."""
+        expert on every token (fixed shapes, cheap for a small bank; a quantized bank is
+        dequantized whole); "aligned" runs only the chosen experts at fixed shapes
+        (`ops.moe.moe_align_block_size`; Triton on CUDA), a quantized bank dequantizing only
+        those."""
         if mode == "sparse" and self.fmt is None:
             return experts_sparse(x, idx, w, self.w13, self.w2)
         if mode == "sparse":
             def load(e: int) -> tuple[Tensor, Tensor]:
-                w13, w2 = self.weights(torch.tensor([e], device=x.device), x.dtype)
+                w13, w2 = self.weights(e, x.dtype)
                 return w13[0], w2[0]
 
             return experts_sparse_by(x, idx, w, self.num_experts, load)
         if mode == "aligned" and self.fmt == "int4":
             return torch.ops.kimi.moe_experts_w4a16(x, idx, w, self.w13_packed, self.w13_scale,
                                                    self.w2_packed, self.w2_scale, self.group)
-        w13, w2 = self.weights(None, x.dtype)
+        if mode == "aligned" and self.fmt == "fp8":
+            return torch.ops.kimi.moe_experts_fp8(x, idx, w, self.w13, self.w13_scale_inv,
+                                                 self.w2, self.w2_scale_inv, *self.block)
         if mode == "aligned":
-            return torch.ops.kimi.moe_experts(x, idx, w, w13, w2)
-        return experts_dense(x, idx, w, w13, w2)
+            return torch.ops.kimi.moe_experts(x, idx, w, self.w13, self.w2)
+        return experts_dense(x, idx, w, *self.weights(None, x.dtype))
