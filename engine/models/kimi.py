@@ -328,13 +328,14 @@ class KimiForCausalLM(nn.Module):
         cache). Returns logits `[bs, Q, V]` (fp32) and the aux-layer features `[bs, Q, n * H]`.
         `sparse_moe` allows the eager-only expert dispatch (data-dependent shapes); else the
         fixed-shape one over aligned blocks runs; either way every expert on every row when
-        that dense pass is cheaper for this many rows (`ops.moe.dense_is_cheaper`). `prefix` a
+        that dense pass is cheaper for this many rows of this rank's float bank
+        (`ops.moe.dense_is_cheaper`; a quantized bank would dequantize whole). `prefix` a
         planned prefix-attention kernel (one plan serves every layer).
         """
-        c = self.cfg
         moe = "sparse" if sparse_moe else "aligned"
-        if c.n_routed_experts and dense_is_cheaper(tokens.numel(), c.n_routed_experts,
-                                                   c.hidden_size, c.moe_intermediate_size):
+        bank = next((b.mlp.experts for b in self.model.layers if isinstance(b.mlp, MoE)), None)
+        if bank is not None and bank.fmt is None and dense_is_cheaper(
+                tokens.numel(), bank.num_experts, bank.hidden, bank.inter):
             moe = "dense"
         cos, sin = self._rope(positions)
         mask = joint_mask(slots, ctx_len, visible) if prefix is None else None
