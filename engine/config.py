@@ -13,6 +13,7 @@ import json
 import re
 import types
 import typing
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Annotated, Any, Literal, Union
@@ -497,6 +498,19 @@ def _flag_type(annotation: Any) -> tuple[Any, dict[str, Any]]:
     if typing.get_origin(hint) is tuple:
         return _int_tuple, {}
     return hint, {}
+
+
+def int_list(low: int) -> Callable[[str], list[int]]:
+    """An argparse type: comma-separated integers, each >= `low`, sorted and deduplicated."""
+    def parse(s: str) -> list[int]:
+        try:
+            out = sorted({int(x) for x in s.split(",") if x.strip()})
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {s!r}") from e
+        if not out or out[0] < low:
+            raise argparse.ArgumentTypeError(f"expected integers >= {low}, got {s!r}")
+        return out
+    return parse
 
 
 def _int_tuple(s: str) -> tuple[int, ...]:

@@ -44,7 +44,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
 import engine.spec as spec
-from engine.config import DraftConfig, ModelConfig
+from engine.config import DraftConfig, ModelConfig, int_list
 from engine.dist import Group
 from engine.kv_cache import KVPool, pages_needed
 from engine.models.dflash import DFlashDrafter
@@ -88,13 +88,6 @@ def parse_bytes(s: str) -> int:
     if not m or m.group(2).lower() not in UNITS:
         raise argparse.ArgumentTypeError(f"expected a size like 141GB or 80GiB, got {s!r}")
     return int(float(m.group(1)) * UNITS[m.group(2).lower()])
-
-
-def _ints(s: str) -> list[int]:
-    try:
-        return sorted({int(x) for x in s.split(",") if x.strip()})
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {s!r}") from e
 
 
 class CountingGroup(Group):
@@ -314,8 +307,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--dtype", choices=("bfloat16", "float16"), default="bfloat16")
     ap.add_argument("--json", type=Path, help="write the results here")
     ap.add_argument("--cost", action="store_true", help="the step cost table")
-    ap.add_argument("--batch-sizes", type=_ints, default=[1, 8, 32])
-    ap.add_argument("--budgets", type=_ints, default=[4, 8, 16, 32])
+    ap.add_argument("--batch-sizes", type=int_list(1), default=[1, 8, 32])
+    ap.add_argument("--budgets", type=int_list(1), default=[4, 8, 16, 32])
     ap.add_argument("--context", type=int, default=4096, help="committed tokens per row")
     ap.add_argument("--gpus", default="H200", help=f"comma-separated, of {', '.join(GPUS)}")
     ap.add_argument("--accept-len", type=float, default=3.7,

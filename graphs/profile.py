@@ -29,7 +29,6 @@ import json
 import statistics
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +42,7 @@ from engine.config import (
     add_cli_args,
     error_text,
     from_cli,
+    int_list,
 )
 from engine.dist import Group
 from engine.kv_cache import KVPool, pages_needed
@@ -58,26 +58,13 @@ PHASES = ("draft", "build", "verify", "decide", "commit")
 NO_GRAPHS = "CUDA graphs need CUDA: this profiles the eager step (no capture, no replay)"
 
 
-def _ints(low: int) -> Callable[[str], list[int]]:
-    """An argparse type: comma-separated integers, each >= `low`, sorted and deduplicated."""
-    def parse(s: str) -> list[int]:
-        try:
-            out = sorted({int(x) for x in s.split(",") if x.strip()})
-        except ValueError as e:
-            raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {s!r}") from e
-        if not out or out[0] < low:
-            raise argparse.ArgumentTypeError(f"expected integers >= {low}, got {s!r}")
-        return out
-    return parse
-
-
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m graphs.profile",
                                  description=__doc__.split("\n")[0])
     # NOTE: the engine's own flags, less those this command sets itself per batch size.
     add_cli_args(ap, EngineConfig, exclude=("budget_policy", "max_batch_size", "max_model_len",
                                             "kv_pages", "capture_sizes"))
-    ap.add_argument("--batch-sizes", type=_ints(1), default=[1, 2, 4, 8],
+    ap.add_argument("--batch-sizes", type=int_list(1), default=[1, 2, 4, 8],
                     help="comma-separated batch sizes, each captured and profiled")
     ap.add_argument("--steps", type=int, default=8, help="timed steps per batch size and path")
     ap.add_argument("--warmup", type=int, default=2, help="untimed steps before timing")
@@ -90,7 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--output", default="runs/profile/profile.json", help="JSON results")
     ap.add_argument("--tune", action="store_true", help="measure every (greedy/sampled, batch "
                     "size, budget) and write the budget policy")
-    ap.add_argument("--tune-budgets", type=_ints(0), default=[0, 2, 4, 8, 16, 32],
+    ap.add_argument("--tune-budgets", type=int_list(0), default=[0, 2, 4, 8, 16, 32],
                     help="budgets --tune tries (0: plain decoding through the same step)")
     ap.add_argument("--tune-temperature", type=float, default=0.7,
                     help="the temperature of the sampled table's measurements")
