@@ -12,7 +12,7 @@ import torch
 
 from engine.config import DEFAULT_BUDGET, EngineConfig, SamplingParams
 from engine.dist import Group
-from engine.kv_cache import KVPool, pages_needed
+from engine.kv_cache import pages_needed
 from engine.leader import AnnouncingRunner, End, Stop, follow
 from engine.models.dflash import DFlashDrafter
 from engine.models.kimi import KimiForCausalLM
@@ -129,10 +129,7 @@ class LLM:
         self.max_model_len = cfg.max_model_len or mc.max_position_embeddings
         max_pages = pages_needed(self.max_model_len + widest.max_emit, cfg.page_size)
         num_pages = cfg.kv_pages or (1 + cfg.max_batch_size * max_pages)
-        self.pool = KVPool.allocate(
-            page_size=cfg.page_size, num_pages=num_pages, target_layers=mc.num_hidden_layers,
-            target_dim=mc.kv_cache_dim, draft_layers=drafter.c.num_hidden_layers if drafter else 0,
-            draft_dim=drafter.kv_dim if drafter else 0, dtype=dtype, device=device)
+        self.pool = self.models.kv_pool(cfg.page_size, num_pages, dtype, device)
         self.timer = PhaseTimer()
         self.runner = StepGraphRunner(self.models, self.pool, shape,
                                       max_batch_size=cfg.max_batch_size, max_pages=max_pages,

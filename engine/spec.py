@@ -180,6 +180,22 @@ class Models:
 
         return paged
 
+    def kv_pool(self, page_size: int, num_pages: int, dtype: torch.dtype = torch.float32,
+                device: torch.device | str = "cpu") -> KVPool:
+        """A paged pool for these models: the target's latent rows and the drafter's K/V."""
+        c, d = self.target.cfg, self.drafter
+        return KVPool.allocate(page_size=page_size, num_pages=num_pages,
+                               target_layers=c.num_hidden_layers, target_dim=c.kv_cache_dim,
+                               draft_layers=d.c.num_hidden_layers if d else 0,
+                               draft_dim=d.kv_dim if d else 0, dtype=dtype, device=device)
+
+    def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
+        """Cache bytes one token takes in `kv_pool` (this rank's, every layer)."""
+        c, d = self.target.cfg, self.drafter
+        width = c.num_hidden_layers * c.kv_cache_dim + (
+            d.c.num_hidden_layers * d.kv_dim if d else 0)
+        return width * (torch.finfo(dtype).bits // 8)
+
     @property
     def aux_layers(self) -> tuple[int, ...]:
         return self.drafter.c.target_layer_ids if self.drafter is not None else ()

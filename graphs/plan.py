@@ -252,11 +252,7 @@ def no_drafter(models: Models, vocab: int) -> Iterator[None]:
 
 def step_inputs(models: Models, shape: StepShape, bs: int, max_pages: int, page_size: int,
                 dtype: torch.dtype) -> tuple[KVPool, StepBuffers]:
-    c, d = models.target.cfg, models.drafter
-    pool = KVPool.allocate(page_size=page_size, num_pages=1 + bs * max_pages,
-                           target_layers=c.num_hidden_layers, target_dim=c.kv_cache_dim,
-                           draft_layers=d.c.num_hidden_layers if d else 0,
-                           draft_dim=d.kv_dim if d else 0, dtype=dtype, device="meta")
+    pool = models.kv_pool(page_size, 1 + bs * max_pages, dtype, "meta")
     return pool, StepBuffers.allocate(bs, max_pages, shape, models.target, "meta")
 
 
@@ -321,10 +317,7 @@ def memory(a: argparse.Namespace, models: Models, dtype: torch.dtype, gpu_memory
     c, d = models.target.cfg, models.drafter
     weights = weight_bytes(models)
     per_rank = weights.get("target", 0) + weights.get("drafter", 0)
-    esize = torch.finfo(dtype).bits // 8
-    kv_token = c.num_hidden_layers * c.kv_cache_dim * esize
-    if d is not None:
-        kv_token += d.c.num_hidden_layers * d.kv_dim * esize
+    kv_token = models.kv_bytes_per_token(dtype)
     max_len = a.max_model_len or c.max_position_embeddings
     block = d.c.block_size if d is not None else 8
     shape = StepShape("tree", a.budget, block, False)

@@ -45,7 +45,7 @@ from engine.config import (
     int_list,
 )
 from engine.dist import Group
-from engine.kv_cache import KVPool, pages_needed
+from engine.kv_cache import pages_needed
 from engine.llm import load_models, model_pair, resolve_device
 from engine.policy import TABLES, policy_path, write_budgets
 from engine.request import Request
@@ -116,11 +116,8 @@ class Bench:
         if self.tokens > c.max_position_embeddings:
             raise ValueError(f"--prompt-len {a.prompt_len} plus {a.steps} steps exceeds the "
                              f"model's {c.max_position_embeddings} positions")
-        self.pool = KVPool.allocate(
-            page_size=a.page_size, num_pages=1 + max(a.batch_sizes) * self.max_pages,
-            target_layers=c.num_hidden_layers, target_dim=c.kv_cache_dim,
-            draft_layers=drafter.c.num_hidden_layers if drafter else 0,
-            draft_dim=drafter.kv_dim if drafter else 0, dtype=dtype, device=device)
+        self.pool = self.models.kv_pool(a.page_size, 1 + max(a.batch_sizes) * self.max_pages,
+                                        dtype, device)
         n = max(*a.batch_sizes, a.tune_prompts if a.tune else 1)
         if (self.model_dir / "tiktoken.model").is_file():
             from engine.tokenizer import Tokenizer

@@ -43,10 +43,7 @@ def max_pages_for(shape: StepShape) -> int:
 
 
 def make_pool(models: Models, num_pages: int = 64, device: str = "cpu") -> KVPool:
-    c, d = models.target.cfg, models.drafter
-    return KVPool.allocate(page_size=PAGE, num_pages=num_pages, target_layers=c.num_hidden_layers,
-                           target_dim=c.kv_cache_dim, draft_layers=d.c.num_hidden_layers,
-                           draft_dim=d.kv_dim, device=device)
+    return models.kv_pool(PAGE, num_pages, device=device)
 
 
 def clone_pool(pool: KVPool) -> KVPool:
