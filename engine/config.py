@@ -546,15 +546,20 @@ def from_cli(cls: type, args: argparse.Namespace, **overrides: Any) -> Any:
 
 
 def error_text(e: ValidationError) -> str:
-    """The first problem pydantic found, as `field: message` (unknown fields first: they
-    usually explain the other errors, a misspelt name)."""
+    """The first problem pydantic found, as `field: message` (see `error_parts`)."""
+    return error_parts(e)[1]
+
+
+def error_parts(e: ValidationError) -> tuple[Any, str]:
+    """The problem to report of those pydantic found (unknown fields first: they usually
+    explain the other errors, a misspelt name), and its text."""
     errs = e.errors()
     err = next((x for x in errs if x["type"] == "extra_forbidden"), errs[0])
     loc = ".".join(str(x) for x in err["loc"])
     if err["type"] == "extra_forbidden":
-        return f"unknown field {loc!r}"
+        return err, f"unknown field {loc!r}"
     if err["type"] == "json_invalid":
-        return f"invalid JSON ({err['ctx'].get('error', err['msg'])})" if err.get("ctx") \
-            else "invalid JSON"
+        return err, (f"invalid JSON ({err['ctx'].get('error', err['msg'])})"
+                     if err.get("ctx") else "invalid JSON")
     msg = err["msg"].removeprefix("Value error, ")
-    return f"{loc}: {msg}" if loc else msg
+    return err, f"{loc}: {msg}" if loc else msg

@@ -11,7 +11,7 @@ from typing import Annotated, Any, Literal, TypeVar
 from fastapi import HTTPException
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
-from engine.config import SamplingParams, Seed, StopString, Temperature, TopK, TopP, error_text
+from engine.config import SamplingParams, Seed, StopString, Temperature, TopK, TopP, error_parts
 
 MAX_BODY_BYTES = 16 << 20
 Positive = Annotated[int, Field(ge=1)]
@@ -35,17 +35,17 @@ def bad(param: str | None, message: str, code: str = "invalid_value") -> HTTPExc
 
 def parse(raw: bytes, model: type[BodyT]) -> BodyT:
     """A JSON body as `model` whatever the Content-Type said (curl -d sends a form type); a
-    pydantic error becomes a 400 naming the field (`engine.config.error_text`)."""
+    pydantic error becomes a 400 naming the field (`engine.config.error_parts`)."""
     if len(raw) > MAX_BODY_BYTES:
         raise error(413, f"the request body has {len(raw)} bytes; the limit is {MAX_BODY_BYTES}",
                     None, "request_too_large")
     try:
         return model.model_validate_json(raw)
     except ValidationError as e:
-        err = next((x for x in e.errors() if x["type"] == "extra_forbidden"), e.errors()[0])
+        err, text = error_parts(e)
         code = {"extra_forbidden": "unknown_parameter", "json_invalid": "invalid_json",
                 "missing": "missing_required_parameter"}.get(err["type"], "invalid_value")
-        raise bad(str(err["loc"][0]) if err["loc"] else None, error_text(e), code) from e
+        raise bad(str(err["loc"][0]) if err["loc"] else None, text, code) from e
 
 
 class _Strict(BaseModel):
