@@ -217,18 +217,31 @@ def test_experts_aligned_drops_out_of_range_ids() -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_w4a16_twin_is_the_float_twin_on_the_dequantized_bank(dtype: torch.dtype) -> None:
-    g = torch.Generator().manual_seed(11)
-    T, k, E, H, inter = 7, 3, 5, 96, 40  # inter = 40: a partial last group of the down projection
+@pytest.mark.parametrize("fmt", ["int4", "fp8"])
+def test_quantized_twin_is_the_float_twin_on_the_dequantized_bank(fmt: str,
+                                                                  dtype: torch.dtype) -> None:
+    g = torch.Generator().manual_seed(11 if fmt == "int4" else 13)
+    T, k, E, H, inter = 7, 3, 5, 96, 40  # inter = 40: a partial last group / block
     idx = _routing("random", T, k, E, g)
     x, w = torch.randn(T, H, generator=g).to(dtype), torch.rand(T, k, generator=g)
     w13, w2 = _bank(E, inter, H, g)
-    p13, s13 = _pack_bank(w13)
-    p2, s2 = _pack_bank(w2)
-    d13, d2 = _dequant_bank(p13, s13, H, dtype), _dequant_bank(p2, s2, inter, dtype)
-    got = experts_aligned_w4a16(x, idx, w, p13, s13, p2, s2, 32, 16)
+    if fmt == "int4":
+        (p13, s13), (p2, s2) = _pack_bank(w13), _pack_bank(w2)
+        d13, d2 = _dequant_bank(p13, s13, H, dtype), _dequant_bank(p2, s2, inter, dtype)
+
+        def twin(**kw: int) -> torch.Tensor:
+            return experts_aligned_w4a16(x, idx, w, p13, s13, p2, s2, 32, 16, **kw)
+    else:
+        (q13, r13), (q2, r2) = _fp8_bank(w13, FP8_BLOCK), _fp8_bank(w2, FP8_BLOCK)
+        d13 = _dequant_fp8_bank(q13, r13, FP8_BLOCK, dtype)
+        d2 = _dequant_fp8_bank(q2, r2, FP8_BLOCK, dtype)
+
+        def twin(**kw: int) -> torch.Tensor:
+            return experts_aligned_fp8(x, idx, w, q13, r13, q2, r2, FP8_BLOCK, 16, **kw)
+    got = twin()
     # Exact: per-chunk dequantization is elementwise, then the same ops on the same shapes.
     assert torch.equal(got, experts_aligned(x, idx, w, d13, d2, 16))
+    assert torch.equal(twin(chunk_blocks=1), got)
     want = experts_dense(x, idx, w, d13, d2)
     if dtype == torch.float32:
         torch.testing.assert_close(got, want)  # only the summation order differs
@@ -254,30 +267,6 @@ def test_dequant_experts_picks_tensor_int_or_all() -> None:
             got8 = dequant_experts_fp8(q13, r13, pick, FP8_BLOCK, dtype)
             assert got4.dtype == got8.dtype == dtype
             assert torch.equal(got4, d4[want]) and torch.equal(got8, d8[want])
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fp8_twin_is_the_float_twin_on_the_dequantized_bank(dtype: torch.dtype) -> None:
-    g = torch.Generator().manual_seed(13)
-    T, k, E, H, inter = 7, 3, 5, 96, 40
-    idx = _routing("random", T, k, E, g)
-    x, w = torch.randn(T, H, generator=g).to(dtype), torch.rand(T, k, generator=g)
-    w13, w2 = _bank(E, inter, H, g)
-    q13, r13 = _fp8_bank(w13, FP8_BLOCK)
-    q2, r2 = _fp8_bank(w2, FP8_BLOCK)
-    d13 = _dequant_fp8_bank(q13, r13, FP8_BLOCK, dtype)
-    d2 = _dequant_fp8_bank(q2, r2, FP8_BLOCK, dtype)
-    got = experts_aligned_fp8(x, idx, w, q13, r13, q2, r2, FP8_BLOCK, 16)
-    # Exact: per-chunk dequantization is elementwise, then the same ops on the same shapes.
-    assert torch.equal(got, experts_aligned(x, idx, w, d13, d2, 16))
-    assert torch.equal(experts_aligned_fp8(x, idx, w, q13, r13, q2, r2, FP8_BLOCK, 16,
-                                           chunk_blocks=1), got)
-    want = experts_dense(x, idx, w, d13, d2)
-    if dtype == torch.float32:
-        torch.testing.assert_close(got, want)  # only the summation order differs
-    else:  # experts_dense rounds g, u, silu and the products to bf16 at every step
-        torch.testing.assert_close(got.float(), want.float(), rtol=2e-2,
-                                   atol=2e-2 * want.float().abs().max().item())
 
 
 def test_w4a16_twin_real_size_full_expert() -> None:
