@@ -545,6 +545,17 @@ def from_cli(cls: type, args: argparse.Namespace, **overrides: Any) -> Any:
     return cls(**{**kw, **overrides})
 
 
+def parse_cli(parser: argparse.ArgumentParser, argv: list[str] | None, *classes: type
+              ) -> tuple[Any, ...]:
+    """The parsed flags, then each of `classes` built from them; a bad value exits as argparse
+    does for a bad flag (status 2, the usage, and the field's problem)."""
+    args = parser.parse_args(argv)
+    try:
+        return (args, *[from_cli(c, args) for c in classes])
+    except ValidationError as e:
+        parser.error(error_text(e))
+
+
 def error_text(e: ValidationError) -> str:
     """The first problem pydantic found, as `field: message` (see `error_parts`)."""
     return error_parts(e)[1]

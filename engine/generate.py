@@ -35,7 +35,7 @@ from engine.config import (
     TopP,
     add_cli_args,
     error_text,
-    from_cli,
+    parse_cli,
 )
 
 if TYPE_CHECKING:
@@ -120,13 +120,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    a = build_parser().parse_args(argv)
-    try:
-        cfg = from_cli(EngineConfig, a)
-        defaults = from_cli(SamplingParams, a)
-    except ValidationError as e:
-        print(f"error: {error_text(e)}", file=sys.stderr)
-        return 2
+    a, cfg, defaults = parse_cli(build_parser(), argv, EngineConfig, SamplingParams)
     # Under tensor parallelism only rank 0 reads prompts and writes output; the other ranks
     # run rank 0's model calls.
     leader = cfg.tp == 1 or os.environ.get("RANK", "0") == "0"

@@ -33,16 +33,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from pydantic import ValidationError
 
 from engine.config import (
     DEFAULT_BUDGET,
     EngineConfig,
     SamplingParams,
     add_cli_args,
-    error_text,
-    from_cli,
     int_list,
+    parse_cli,
 )
 from engine.dist import Group
 from engine.kv_cache import pages_needed
@@ -300,12 +298,7 @@ def best_budgets(tuned: list[dict[str, Any]]) -> dict[bool, dict[int, int]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    a = build_parser().parse_args(argv)
-    try:
-        cfg = from_cli(EngineConfig, a)
-    except ValidationError as e:
-        print(f"error: {error_text(e)}", file=sys.stderr)
-        return 2
+    a, cfg = parse_cli(build_parser(), argv, EngineConfig)
     if a.mode != "tree" and a.tune:
         print("error: --tune chooses tree budgets; use --mode tree", file=sys.stderr)
         return 2

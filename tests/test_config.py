@@ -392,3 +392,19 @@ def test_sampling_params_valid_edges() -> None:
     sp = SamplingParams(temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=1)
     assert not sp.greedy
     SamplingParams(top_k=-1)
+
+
+@pytest.mark.parametrize("cli", ["engine.generate", "engine.serve", "graphs.profile"])
+def test_a_bad_flag_value_exits_naming_the_field(cli: str, capsys: pytest.CaptureFixture[str]
+                                                 ) -> None:
+    """The three CLIs check their engine flags through one `parse_cli`: argparse's exit (2),
+    its usage, and the field's problem, before anything loads."""
+    import importlib
+
+    main = importlib.import_module(cli).main
+    needed = ["--prompts", "p.txt", "--output", "o.jsonl"] if cli == "engine.generate" else []
+    with pytest.raises(SystemExit) as e:
+        main([*needed, "--tp", "0"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "usage:" in err
+    assert "error: tp: Input should be greater than or equal to 1" in err

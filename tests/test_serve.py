@@ -555,11 +555,8 @@ def test_engine_survives_a_failing_step(offline_llm: LLM, monkeypatch: pytest.Mo
 
     async def run() -> tuple[list[tuple[Any, ...]], list[tuple[Any, ...]]]:
         engine = Engine(offline_llm)
-        engine.start()
-        try:
+        async with engine.running():
             return await ask(engine, _ids(7, 5)), await ask(engine, _ids(8, 5))
-        finally:
-            await engine.stop()
 
     failed, ok = asyncio.run(run())
     assert failed[-1][0] == "error" and "injected failure" in failed[-1][1]

@@ -9,10 +9,10 @@ import logging
 import sys
 from typing import Annotated, Literal
 
-from pydantic import Field, ValidationError
+from pydantic import Field
 from pydantic.dataclasses import dataclass
 
-from engine.config import EngineConfig, add_cli_args, error_text, from_cli
+from engine.config import EngineConfig, add_cli_args, parse_cli
 
 log = logging.getLogger("engine.serve")
 
@@ -41,11 +41,7 @@ def main(argv: list[str] | None = None) -> None:
                                 description="OpenAI-compatible server with speculative decoding")
     add_cli_args(p, EngineConfig)
     add_cli_args(p, ServeConfig)
-    args = p.parse_args(argv)
-    try:
-        engine, cfg = from_cli(EngineConfig, args), from_cli(ServeConfig, args)
-    except ValidationError as e:
-        p.error(error_text(e))
+    _, engine, cfg = parse_cli(p, argv, EngineConfig, ServeConfig)
     logging.basicConfig(level=cfg.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     # NOTE: torch's CPU thread team belongs to the thread that first runs parallel work, and a
     # second team (the engine thread's) beside the main thread's makes each step 2-3x slower on a

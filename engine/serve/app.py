@@ -5,7 +5,6 @@ answers are read by `engine.toolcalls.OutputStream` (Kimi's tool calls and reaso
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import time
@@ -19,7 +18,6 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 from starlette.types import Receive, Scope, Send
 
-from engine.config import SamplingParams
 from engine.llm import LLM
 from engine.scheduler import RequestRejected
 from engine.serve import protocol as api
@@ -48,9 +46,9 @@ class Server:
     def waiting(self) -> int:  # handed to the engine, not running yet
         return self.active - self.engine.snapshot["running"]
 
-    async def prepare(self, body: Body) -> tuple[list[int], SamplingParams, OutputStream | None]:
-        """The prompt's token ids and the request's sampling, checked against the context, and
-        the reader of its answer (None without a tokenizer)."""
+    async def admit(self, body: Body) -> tuple[list[int], Handle, OutputStream | None]:
+        """The prompt's token ids, checked against the context, the request handed to the engine
+        (or why it cannot run), and the reader of its answer (None without a tokenizer)."""
         if body.model is not None and body.model != self.name:
             raise api.error(404, f"The model '{body.model}' does not exist; this server serves "
                                  f"'{self.name}'", "model", "model_not_found")
@@ -79,11 +77,6 @@ class Server:
                           "context_length_exceeded")
         params = body.sampling_params(want or min(limit if chat else COMPLETIONS_DEFAULT_MAX_TOKENS,
                                                    limit - n))
-        out = OutputStream(tok, ids, params.stop, **body.parsing() if chat else {}) if tok else None
-        return ids, params, out
-
-    def start(self, ids: list[int], params: SamplingParams, param: str) -> Handle:
-        """Hands the request to the engine (or says why it cannot run)."""
         if self.waiting >= self.max_queue:
             raise api.error(503, f"the server is busy: {self.waiting} requests are already "
                                  f"waiting (--max-queue {self.max_queue}); retry later", None,
@@ -95,16 +88,16 @@ class Server:
             raise api.bad(param, f"request rejected: {e} ({param}: {len(ids)} tokens, "
                                  f"max_tokens: {params.max_new_tokens})") from e
         self.active += 1
-        return h
+        out = OutputStream(tok, ids, params.stop, **body.parsing() if chat else {}) if tok else None
+        return ids, h, out
 
     def close(self, h: Handle) -> None:
-        """Ends the HTTP side of a request once; an unfinished one is aborted (by the engine
-        thread, which frees its pages)."""
+        """Ends the HTTP side of a request once, aborting it if it still runs (the engine loop
+        frees its pages; it ignores a finished request)."""
         if not h.closed:
             h.closed = True
             self.active -= 1
-            if not h.finished:
-                self.engine.post("abort", h)
+            self.engine.post("abort", h)
 
     async def text(self, h: Handle, http: Request, out: OutputStream | None
                    ) -> AsyncIterator[tuple[OutputDelta, str | None, int]]:
@@ -115,12 +108,10 @@ class Server:
             while True:
                 item = await h.next(http)
                 if item[0] == "error":
-                    h.finished = True
                     raise api.error(500, str(item[1]), None, "engine_error", "server_error")
                 _, new, reason, text_end = item
                 n += len(new)
                 if reason is not None:
-                    h.finished = True
                     last = out.end(new, text_end) if out else OutputDelta()
                     yield last, out.finish_reason(reason) if out else reason, n
                     return
@@ -154,15 +145,7 @@ def build_app(llm: LLM, served_model_name: str, max_queue: int = 256,
               threads: int | None = None) -> FastAPI:
     srv = Server(llm, served_model_name, max_queue, threads)
 
-    @contextlib.asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        srv.engine.start()
-        try:
-            yield
-        finally:
-            await srv.engine.stop()
-
-    app = FastAPI(title="kimi-spec", lifespan=lifespan)
+    app = FastAPI(title="kimi-spec", lifespan=lambda _: srv.engine.running())
     app.state.server = srv
     # 499 (nginx's "client closed request"): nobody reads it, the count stays honest.
     app.add_exception_handler(ClientGone, lambda _, e: Response(status_code=499))
@@ -191,11 +174,12 @@ def build_app(llm: LLM, served_model_name: str, max_queue: int = 256,
             "id": srv.name, "object": "model", "created": srv.created, "owned_by": "kimi-spec",
             "max_model_len": llm.max_model_len}]}
 
-    async def respond(http: Request, body_type: type[Body]) -> Response:
-        body = api.parse(await http.body(), body_type)
-        ids, params, out = await srv.prepare(body)
-        chat = body_type is api.ChatRequest
-        h = srv.start(ids, params, "messages" if chat else "prompt")
+    @app.post("/v1/completions")
+    @app.post("/v1/chat/completions")
+    async def respond(http: Request) -> Response:
+        chat = http.url.path.endswith("/chat/completions")
+        body = api.parse(await http.body(), api.ChatRequest if chat else api.CompletionRequest)
+        ids, h, out = await srv.admit(body)
         kind = "chat.completion" + (".chunk" if body.stream else "") if chat else "text_completion"
         head = dict(id=f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", object=kind,
                     created=int(time.time()), model=srv.name)
@@ -240,14 +224,6 @@ def build_app(llm: LLM, served_model_name: str, max_queue: int = 256,
                 pass
 
         return _SSEResponse(events(), lambda: srv.close(h))
-
-    @app.post("/v1/completions")
-    async def completions(http: Request) -> Response:
-        return await respond(http, api.CompletionRequest)
-
-    @app.post("/v1/chat/completions")
-    async def chat(http: Request) -> Response:
-        return await respond(http, api.ChatRequest)
 
     srv.engine.metrics.instrument(app)
     return app

@@ -87,9 +87,8 @@ class _Request(_Strict):
 
     def sampling_params(self, max_new_tokens: int) -> SamplingParams:
         stop = [self.stop] if isinstance(self.stop, str) else self.stop or []
-        return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
-                              max_new_tokens=max_new_tokens, seed=self.seed,
-                              ignore_eos=self.ignore_eos, stop=tuple(stop))
+        same = self.model_dump(include={"temperature", "top_p", "top_k", "seed", "ignore_eos"})
+        return SamplingParams(**same, max_new_tokens=max_new_tokens, stop=tuple(stop))
 
 
 class CompletionRequest(_Request):

@@ -10,6 +10,7 @@ import logging
 import os
 import signal
 import time
+from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,16 +38,15 @@ class Handle:
 
     req: EngineRequest
     queue: asyncio.Queue[tuple[Any, ...]] = field(default_factory=asyncio.Queue)
-    finished: bool = False  # set by the HTTP side once the final item was read
     closed: bool = False
     _checked: float = 0.0
 
-    async def next(self, http: Request | None) -> tuple[Any, ...]:
+    async def next(self, http: Request) -> tuple[Any, ...]:
         """The next item; raises ClientGone if `http`'s client disconnects."""
         while True:
             # Checked on a clock, not only when idle: tokens may arrive faster than the poll.
             now = time.monotonic()
-            if http is not None and now - self._checked >= DISCONNECT_POLL_S:
+            if now - self._checked >= DISCONNECT_POLL_S:
                 self._checked = now
                 if await http.is_disconnected():
                     raise ClientGone()
@@ -55,8 +55,7 @@ class Handle:
 
 
 class Engine:
-    """`start` and `stop` from the event loop (the app's lifespan); `submit` and `abort` from
-    handlers."""
+    """`running` is the app's lifespan; handlers `submit` and `post` aborts."""
 
     def __init__(self, llm: LLM, threads: int | None = None):
         self.llm, self.sched = llm, llm.scheduler
@@ -67,18 +66,18 @@ class Engine:
         self._todo: list[tuple[str, Handle]] = []
         self._live: dict[int, Handle] = {}
         self._wake = asyncio.Event()
-        self._task: asyncio.Task[None] | None = None
         self._seen: dict[str, float] = {}  # counters' values at the last publish
         self._publish()
 
-    def start(self) -> None:
-        self._task = asyncio.get_running_loop().create_task(self._run())
-
-    async def stop(self) -> None:
-        if self._task is not None:
+    @contextlib.asynccontextmanager
+    async def running(self) -> AsyncIterator[None]:
+        """The engine loop runs inside this context; leaving it fails what is still in flight."""
+        task = asyncio.get_running_loop().create_task(self._run())
+        try:
+            yield
+        finally:
             self.post("stop", None)
-            await self._task
-            self._task = None
+            await task
 
     def submit(self, h: Handle) -> None:
         """Queues `h`'s request; raises RequestRejected at once when it can never run."""
