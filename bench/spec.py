@@ -37,10 +37,11 @@ Runner = Callable[[], dict[str, Any]]
 
 
 def ours(model: Path, draft: Path | None, mode: str, budget: int, prompts: list[list[int]],
-         params: SamplingParams, batch: int) -> Runner:
-    """Loads one engine (warmed up) and returns a function that runs every prompt once."""
+         params: SamplingParams, batch: int, compile: bool = False) -> Runner:
+    """Loads one engine (warmed up; compiled with `compile`) and returns a function that runs
+    every prompt once."""
     llm = LLM(model, draft if mode != "ar" else None, mode=mode, budget=budget,
-              max_batch_size=batch, progress=False)
+              max_batch_size=batch, progress=compile, compile="on" if compile else "off")
     llm.generate(prompts[:1], params)  # warm-up
     name = f"tree-{budget}" if mode == "tree" else mode
     if not params.greedy:
@@ -118,6 +119,9 @@ def main(argv: list[str] | None = None) -> None:
                     help="timed passes over the prompts, every run interleaved in each round; "
                          "each run reports its median round")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--compile", action="store_true",
+                    help="our engines run the compiled step (--compile on; each compiles its "
+                         "steps at load, once per machine with a warm cache)")
     ap.add_argument("--out", default="runs/bench")
     ap.add_argument("--threads", type=int, default=1,
                     help="CPU threads for every run, ours and transformers' (default 1, as in "
@@ -154,7 +158,8 @@ def _bench(a: argparse.Namespace) -> None:
     prompts, source = bench_prompts(probe, model, a.prompts, a.seed)
     del probe
     print(f"{len(prompts)} prompts ({source}), {a.max_new_tokens} new tokens each, batch "
-          f"{a.batch}, {torch.get_num_threads()} threads", flush=True)
+          f"{a.batch}, {torch.get_num_threads()} threads, "
+          f"{'compiled' if a.compile else 'eager'} steps", flush=True)
     greedy = SamplingParams(max_new_tokens=a.max_new_tokens, ignore_eos=True, seed=a.seed)
     runs: list[tuple[str, int, SamplingParams]] = [("ar", 1, greedy), ("chain", 1, greedy)]
     runs += [("tree", b, greedy) for b in a.budgets]
@@ -164,7 +169,8 @@ def _bench(a: argparse.Namespace) -> None:
         runs.append(("tree", 16, hot))
     if a.rounds < 1:
         raise SystemExit(f"--rounds must be >= 1, got {a.rounds}")
-    runners: list[Runner] = [ours(model, draft, m, b, prompts, p, a.batch) for m, b, p in runs]
+    runners: list[Runner] = [ours(model, draft, m, b, prompts, p, a.batch, a.compile)
+                             for m, b, p in runs]
     if not a.no_transformers:
         runners += [r for r in (theirs(model, prompts, a.max_new_tokens, lk)
                                 for lk in (None, a.lookup)) if r is not None]
@@ -237,7 +243,8 @@ def _bench(a: argparse.Namespace) -> None:
 
     for r in rows:
         r.pop("accept")
-    write_results("spec", {"model": str(model), "draft": str(draft), "prompts": source,
+    name = "spec-compiled" if a.compile else "spec"
+    write_results(name, {"model": str(model), "draft": str(draft), "prompts": source,
                            "env": environment("cpu"), "params": vars(a), "summary": summary,
                            "runs": rows}, plot, a.out)
     if tmp is not None:

@@ -27,6 +27,9 @@ from ops.yarn import yarn_m
 Mode = Literal["tree", "chain", "ar"]
 MODES = typing.get_args(Mode)
 DEFAULT_BUDGET = 16  # tree nodes besides the root, without --budget or a budget policy
+# `generate --compile auto` compiles when its prompts ask for at least this many new tokens in
+# all: about what pays back compiling its steps from a warm cache on a small CPU.
+COMPILE_MIN_TOKENS = 65536
 DType = Literal["auto", "float32", "fp32", "bfloat16", "bf16", "float16", "fp16"]
 
 TARGET_MODEL_TYPES = ("kimi_k2", "deepseek_v3")
@@ -475,6 +478,12 @@ class EngineConfig:
                           "YaRN fields')")
     tp_timeout: Annotated[float, Field(gt=0)] = Field(
         30.0, description="seconds without a heartbeat from a peer rank before exiting")
+    compile: Literal["auto", "on", "off"] = Field(
+        "auto", description="torch.compile the step on the CPU, one graph per batch size and "
+                            "step kind (inductor's cache: ~/.cache/kimi-spec); auto: on for "
+                            f"serve, on for generate when its prompts ask for at least "
+                            f"{COMPILE_MIN_TOKENS:,} new tokens, off elsewhere; CUDA "
+                            f"captures graphs instead")
     # Not a flag: None lets the runner use CUDA graphs exactly when the device is CUDA.
     use_graphs: bool | None = Field(None, json_schema_extra={"cli": False})
 

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Annotated, Any, TextIO
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from engine.config import (
+    COMPILE_MIN_TOKENS,
     EngineConfig,
     SamplingParams,
     Seed,
@@ -133,10 +134,11 @@ def main(argv: list[str] | None = None) -> int:
         except (ValueError, OSError) as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
-    from engine.llm import LLM
+    from engine.llm import LLM, compile_auto
 
     try:
-        llm = LLM(config=cfg)
+        wanted = sum(p.max_new_tokens for _, p in items)
+        llm = LLM(config=compile_auto(cfg, wanted >= COMPILE_MIN_TOKENS))
     except (ValueError, FileNotFoundError) as e:
         if out is not None:
             out.discard()

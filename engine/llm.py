@@ -51,6 +51,15 @@ def resolve_device(cfg: EngineConfig) -> tuple[torch.device, torch.dtype]:
     return torch.device("cuda" if cuda else "cpu"), DTYPES[dtype]
 
 
+def compile_auto(cfg: EngineConfig, pays_back: bool) -> EngineConfig:
+    """`cfg` with `--compile auto` settled: on where the step compiles (the CPU, one process)
+    and the caller expects the compile to pay back."""
+    if cfg.compile != "auto":
+        return cfg
+    on = pays_back and cfg.tp == 1 and resolve_device(cfg)[0].type == "cpu"
+    return replace(cfg, compile="on" if on else "off")
+
+
 def load_models(cfg: EngineConfig, device: torch.device, dtype: torch.dtype,
                 tp: Group | None = None, progress: bool = True) -> tuple[Models, Path]:
     """The target (and, unless `mode` is ar, the drafter) of `cfg`, this rank's shard of each;
@@ -131,15 +140,18 @@ class LLM:
         num_pages = cfg.kv_pages or (1 + cfg.max_batch_size * max_pages)
         self.pool = self.models.kv_pool(cfg.page_size, num_pages, dtype, device)
         self.timer = PhaseTimer()
+        if cfg.compile == "on" and (device.type != "cpu" or self.tp is not None):
+            raise ValueError("--compile on compiles the CPU's step in a single process; CUDA "
+                             "captures graphs (use --compile auto or off)")
         self.runner = StepGraphRunner(self.models, self.pool, shape,
                                       max_batch_size=cfg.max_batch_size, max_pages=max_pages,
                                       capture_sizes=cfg.capture_sizes,
                                       use_graphs=cfg.use_graphs, timer=self.timer,
-                                      budgets=budgets)
+                                      budgets=budgets, compile=cfg.compile == "on")
         self._attach_attention(max_pages)
         self.runner.capture(progress=progress)
         # Without graphs nothing needs fixed shapes: route tokens only through their experts.
-        self.models.sparse_moe = not self.runner.use_graphs
+        self.models.sparse_moe = not (self.runner.use_graphs or self.runner.compile)
         stop_ids = self.tokenizer.stop_ids if self.tokenizer else frozenset(
             [mc.eos_token_id] if mc.eos_token_id is not None else [])
         runner: Any = self.runner

@@ -1,6 +1,7 @@
 """Every model call goes through the runner: prefills, and the spec step for a batch, with
 static buffers per batch size, padding rows on the dummy page, one CUDA graph per (batch size,
-step kind) on a GPU and the same step eagerly elsewhere.
+step kind) on a GPU, one `torch.compile`d step per (batch size, step kind) on the CPU when
+asked (`compile`), and the same step eagerly otherwise.
 
 It takes host values (`StepInputs`, `PrefillInputs`), never requests, and knows nothing of what
 is inside the step: it copies the inputs into the buffers (through one pinned staging copy per
@@ -10,12 +11,17 @@ host copies, replays (or calls) the step, and reads back the small decision tens
 
 from __future__ import annotations
 
+import functools
 import gc
+import inspect
+import logging
+import os
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -35,6 +41,7 @@ Planner = Callable[[Tensor, Tensor, int], None]
 # budget) or "mixed" (a few rows sample: the sampling decide over the greedy budget's tree, since
 # most rows accept greedily). Kinds whose shapes agree share one graph.
 KINDS = ("greedy", "mixed", "sampled")
+log = logging.getLogger("engine.runner")
 
 
 @dataclass
@@ -109,7 +116,7 @@ class StepGraphRunner:
         self, models: Models, pool: KVPool, shape: StepShape, *, max_batch_size: int,
         max_pages: int, capture_sizes: Sequence[int] | None = None, use_graphs: bool | None = None,
         timer: PhaseTimer | None = None, budgets: Mapping[bool, Mapping[int, int]] | None = None,
-        planner: Planner | None = None,
+        planner: Planner | None = None, compile: bool = False,
     ):
         self.models, self.pool = models, pool
         self.max_pages = max_pages
@@ -122,6 +129,12 @@ class StepGraphRunner:
         self.use_graphs = (self.device.type == "cuda") if use_graphs is None else use_graphs
         if self.use_graphs and self.device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device; the KV pool is on {self.device}")
+        if compile and self.use_graphs:
+            raise ValueError("compile is the CPU's step graph; on CUDA the runner captures graphs")
+        self.compile = compile
+        if compile:
+            _keep_inductor_cache()
+        self.compiled: set[tuple[int, StepShape]] = set()  # the (size, shape)s compiled so far
         self.timer = timer or PhaseTimer()
         self.planner = planner
         tree = shape.mode == "tree" and budgets
@@ -211,11 +224,14 @@ class StepGraphRunner:
         return torch.cuda.memory_reserved(self.device) if self.device.type == "cuda" else 0
 
     def capture(self, progress: bool = True) -> None:
-        """Capture every (batch size, step shape) graph, largest first into one pool.
+        """Capture every (batch size, step shape) graph, largest first into one pool (or, when
+        compiling, compile each step the batches will most often run).
 
         NOTE: largest first, so the shared pool is sized by the biggest graph and the smaller
         ones reuse its blocks; the warm-ups write only to the dummy page (every row is padding).
         """
+        if self.compile:
+            return self._compile_all(progress)
         if not self.use_graphs:
             return
         from tqdm import tqdm
@@ -239,6 +255,43 @@ class StepGraphRunner:
                 f"(or leave more GPU memory outside the KV pool) and retry.") from e
         finally:
             gc.unfreeze()
+
+    def _compile_all(self, progress: bool) -> None:
+        from tqdm import tqdm
+
+        # A sampled step's promises come from its rows (`load`): warm up untruncated samplers
+        # alone, and beside greedy rows (never in one row; a mixed batch has three or more).
+        alone = {"filtered": False, "topk_rows": 0, "sort_rows": 0}
+        beside = {"topk_rows": 0, "sort_rows": 0}
+        todo = list(dict.fromkeys(
+            (bs, replace(self.shapes[(bs, kind)], **promise)) for bs in self.capture_sizes
+            for kind, promise, rows in (("greedy", {}, 1), ("sampled", alone, 1),
+                                        ("sampled", beside, 2), ("mixed", beside, 3))
+            if bs >= rows))
+        for bs, shape in tqdm(todo, desc="compiling steps", disable=not progress):
+            buf = self.buffers[bs].fit(shape)
+            _pad(buf.inputs(), 0)
+            t0 = time.perf_counter()
+            self._run_compiled(buf, shape, min(8, self.max_pages))
+            self.capture_stats[(bs, shape)] = {"seconds": time.perf_counter() - t0, "bytes": 0}
+
+    def _run_compiled(self, buf: StepBuffers, shape: StepShape, width: int) -> None:
+        """The compiled step over `buf` (every row) with a page table `width` pages wide: one
+        graph per (size, shape), its width symbolic (one compile serves every context length)."""
+        import torch._dynamo
+
+        key = (buf.anchor.shape[0], shape)
+        if key not in self.compiled:
+            log.info("compiling the %s step (budget %d, %s) at batch size %d", shape.mode,
+                     shape.budget, "sampled" if shape.sample else "greedy", key[0])
+        # NOTE: a contiguous table, so the full width is no other graph than a slice of it
+        view = replace(buf, page_table=buf.page_table[:, :width].contiguous())
+        torch._dynamo.mark_dynamic(view.page_table, 1)
+        with torch.no_grad(), torch._dynamo.config.patch(
+                automatic_dynamic_shapes=False, recompile_limit=1 << 12,
+                accumulated_recompile_limit=1 << 12):
+            _compiled_step()(self.models, self.pool, view, shape)
+        self.compiled.add(key)
 
     # ---- model calls ---------------------------------------------------------------------------
 
@@ -268,12 +321,17 @@ class StepGraphRunner:
             raise ValueError("a step needs at least one request")
         size = self.padded_size(b)
         shape = self.shapes[(size, self.kind(inp.params))]
-        buf = self.buffers[size].rows(size if (pad or self.use_graphs) else b).fit(shape)
+        fixed = self.use_graphs or self.compile  # a graph runs its whole size
+        buf = self.buffers[size].rows(size if (pad or fixed) else b).fit(shape)
         if shape.sample and not self.use_graphs:
-            # Eager: truncate only the rows that ask for it, and sort the vocabulary only for
-            # rows whose cut may not fit in a bounded top-k.
+            # Truncate only the rows that ask for it, and sort the vocabulary only for rows
+            # whose cut may not fit in a bounded top-k; a compiled step promises for every row
+            # or none, so few variants exist.
             vocab = self.models.target.cfg.vocab_size
-            shape = replace(shape, **row_promises(map(_cut, inp.params), vocab))
+            promise = row_promises(map(_cut, inp.params), vocab)
+            if self.compile:
+                promise = {k: size if v and k != "filtered" else v for k, v in promise.items()}
+            shape = replace(shape, **promise)
         width = self.max_pages
         if not self.use_graphs:
             # Eager: gather only as much context as this batch has (a graph needs the full
@@ -314,6 +372,9 @@ class StepGraphRunner:
         if self.use_graphs:
             with self.timer("step"):
                 self.graphs[(bs, shape)].replay()
+        elif self.compile:
+            with self.timer("step"):
+                self._run_compiled(buf, shape, width)
         else:
             view = replace(buf, page_table=buf.page_table[:, :width])
             spec_step(self.models, self.pool, view, shape, self.timer)
@@ -330,6 +391,28 @@ class StepGraphRunner:
         accept = out[:, 0].tolist()
         emit = out[:, 1:].tolist()
         return [e[: a + 1] for e, a in zip(emit, accept)], accept
+
+
+def user_cache_dir() -> Path:
+    """Where compiled steps are cached: `$XDG_CACHE_HOME/kimi-spec` (else `~/.cache/kimi-spec`)."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "kimi-spec"
+
+
+def _keep_inductor_cache() -> None:
+    """Inductor's cache in `user_cache_dir()` unless the user chose one: its default lies in
+    /tmp, which does not outlive the machine's next start."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    if os.environ.get("TORCHINDUCTOR_CACHE_DIR") in (None, default_cache_dir()):
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(user_cache_dir() / "inductor")
+
+
+@functools.cache
+def _compiled_step() -> Callable[..., None]:
+    """`spec_step` compiled whole (no graph breaks: `fullgraph`); dynamo keys its graphs by the
+    buffers' shapes and the step shape (a constant). Run under `no_grad`: inference tensors
+    cannot be traced."""
+    return torch.compile(inspect.unwrap(spec_step), fullgraph=True)
 
 
 def _cut(p: SamplingParams) -> tuple[int, float]:

@@ -132,10 +132,14 @@ class Bench:
 
     def runner(self, sizes: list[int], budget: int, use_graphs: bool = False
                ) -> StepGraphRunner:
+        """A runner for `sizes` at one budget; `use_graphs`: captured on CUDA, compiled on the
+        CPU."""
         budgets = {s: dict.fromkeys(sizes, budget) for s in (False, True)}
+        cuda = self.device.type == "cuda"
         return StepGraphRunner(self.models, self.pool, self.shape(self.budget),
                                max_batch_size=max(sizes), max_pages=self.max_pages,
-                               capture_sizes=sizes, use_graphs=use_graphs, budgets=budgets)
+                               capture_sizes=sizes, use_graphs=use_graphs and cuda,
+                               budgets=budgets, compile=use_graphs and not cuda)
 
     def requests(self, bs: int, runner: StepGraphRunner, temperature: float, first: int = 0
                  ) -> list[Request]:
@@ -313,7 +317,11 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    graphs = device.type == "cuda"
+    # A captured graph on CUDA; with --compile on, the compiled step on the CPU.
+    if cfg.compile == "on" and device.type != "cpu":
+        print("error: --compile on compiles the CPU's step; CUDA captures graphs", file=sys.stderr)
+        return 2
+    graphs = device.type == "cuda" or cfg.compile == "on"
     progress = not a.no_progress
     if a.threads or device.type == "cpu":
         torch.set_num_threads(a.threads or 1)
@@ -335,10 +343,14 @@ def main(argv: list[str] | None = None) -> int:
             tp.close()
 
 
+def _step_kind(device: torch.device, graphs: bool) -> str:
+    return ("graph replay" if device.type == "cuda" else "compiled") if graphs else "eager"
+
+
 def _profile(a: argparse.Namespace, bench: Bench, device: torch.device, dtype: torch.dtype,
              graphs: bool, progress: bool) -> int:
     leader = bench.models.tp is None or bench.models.tp.rank == 0
-    tel = Telemetry(device.index or 0, enabled=graphs)
+    tel = Telemetry(device.index or 0, enabled=device.type == "cuda")
     if not graphs and leader:
         print(f"note: {NO_GRAPHS}.", file=sys.stderr)
     from tqdm import tqdm
@@ -369,8 +381,8 @@ def _profile(a: argparse.Namespace, bench: Bench, device: torch.device, dtype: t
                              tuned, note=(
             f"model {bench.model_dir.name}, drafter {bench.draft_dir and bench.draft_dir.name}, "
             f"{device} {dtype}, "
-            f"{torch.get_num_threads()} threads, {'graph replay' if graphs else 'eager'} step "
-            f"time, prompts of <= {a.prompt_len} tokens, sampled at T = {a.tune_temperature}"))
+            f"{torch.get_num_threads()} threads, {_step_kind(device, graphs)} step time, "
+            f"prompts of <= {a.prompt_len} tokens, sampled at T = {a.tune_temperature}"))
         result["tune"] = tuned
         result["policy"] = {"path": str(path), "budgets": {
             TABLES[k]: v for k, v in policy.items()}}

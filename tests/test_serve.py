@@ -33,7 +33,8 @@ from engine.tools.make_tiny import make_tiny  # noqa: E402
 REPO = Path(__file__).resolve().parent.parent
 MAX_LEN = 256
 ORDINARY = 768  # tiny vocab 1024 = 768 ordinary tokens + 256 specials
-COMMON = ["--mode", "tree", "--budget", "4", "--log-level", "warning"]
+# Eager steps: compiling every step at start (the CPU default) takes minutes.
+COMMON = ["--mode", "tree", "--budget", "4", "--log-level", "warning", "--compile", "off"]
 
 
 # ---- fixtures ----------------------------------------------------------------------------------

@@ -1,0 +1,92 @@
+"""The compiled step (`--compile on`, the CPU's graph): `torch.compile` of the whole step with no
+graph break, one graph per (batch size, step shape) whatever the page table's width, the eager
+step's tokens, and `auto` settled per use."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+from engine.config import EngineConfig, SamplingParams
+from engine.llm import compile_auto
+from engine.runner import StepInputs
+from engine.spec import StepShape
+from tests.graph_helpers import (
+    BLOCK,
+    fresh_copies,
+    load_models,
+    make_pool,
+    prefilled,
+    run_steps,
+    runner_for,
+    write_pair,
+)
+
+PROMPTS = [[5, 9, 300, 41, 7, 8, 2], [17] * 13, [600, 3, 90]]
+SAMPLED = [SamplingParams(temperature=0.9, top_k=40, top_p=0.95, seed=11),
+           SamplingParams(temperature=1.2, seed=12),
+           SamplingParams(max_new_tokens=32)]  # a greedy row inside a sampling batch
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    return load_models(*write_pair(tmp_path_factory.mktemp("compile")))
+
+
+@pytest.mark.parametrize("params", [[SamplingParams()] * 3, SAMPLED], ids=["greedy", "sampled"])
+def test_compiled_step_keeps_the_eager_tokens(models, params):
+    """Three rows padded to four: the compiled runner emits and accepts what the eager one does,
+    step after step, and compiles one graph for the shape; a wider page table reuses it."""
+    shape = StepShape("tree", 6, BLOCK, False)
+    base = make_pool(models)
+    reqs = prefilled(models, base, shape, PROMPTS, params, steps=3)
+    eager = run_steps(runner_for(models, make_pool(models), shape, [4]), fresh_copies(reqs), 3,
+                      pad=False)
+    runner = runner_for(models, make_pool(models), shape, [4], compile=True)
+    before = counters["stats"]["unique_graphs"]
+    got = run_steps(runner, fresh_copies(reqs), 3)
+    assert got.emitted == eager.emitted and got.accepted == eager.accepted
+    assert len(runner.compiled) == 1 and counters["stats"]["unique_graphs"] == before + 1
+    (size, compiled_shape), = runner.compiled
+    assert size == 4 and compiled_shape.sample == any(not p.greedy for p in params)
+    buf = runner.buffers[4].fit(compiled_shape)
+    runner._run_compiled(buf, compiled_shape, runner.max_pages)  # every row padding
+    assert counters["stats"]["unique_graphs"] == before + 1, "a new width compiled a second graph"
+
+
+def test_warm_up_covers_the_common_batches(models, monkeypatch):
+    """`capture` compiles, per size, exactly the shapes that all-greedy batches, greedy rows
+    beside untruncated samplers, and all-untruncated batches load (a sampled budget apart)."""
+    shape = StepShape("tree", 6, BLOCK, False)
+    budgets = {False: {1: 6, 2: 4, 4: 6}, True: {1: 3, 2: 2, 4: 0}}
+    runner = runner_for(models, make_pool(models), shape, [1, 2, 4], compile=True,
+                        budgets=budgets)
+    warmed: list[tuple[int, StepShape]] = []
+    monkeypatch.setattr(runner, "_run_compiled",
+                        lambda buf, s, width: warmed.append((buf.anchor.shape[0], s)))
+    runner.capture(progress=False)
+    assert len(warmed) == len(set(warmed))
+    greedy, hot = SamplingParams(), SamplingParams(temperature=0.7)
+    loaded = set()
+    for b in (1, 2, 3, 4):
+        for hot_rows in range(b + 1):
+            params = [hot] * hot_rows + [greedy] * (b - hot_rows)
+            inp = StepInputs(anchor=[1] * b, cache_len=[4] * b, pages=[[1, 2]] * b,
+                             params=params, coins=[[0.0] * runner.coins_per_row(b)] * b)
+            buf, shape_, _ = runner.load(inp)
+            loaded.add((buf.anchor.shape[0], shape_))
+    assert set(warmed) == loaded
+
+
+def test_compile_auto_is_settled_per_use():
+    cpu = EngineConfig(device="cpu")
+    assert compile_auto(cpu, True).compile == "on"
+    assert compile_auto(cpu, False).compile == "off"
+    assert compile_auto(replace(cpu, tp=2), True).compile == "off"
+    assert compile_auto(replace(cpu, compile="off"), True).compile == "off"
+    assert compile_auto(replace(cpu, compile="on"), False).compile == "on"
+    if not torch.cuda.is_available():
+        assert compile_auto(EngineConfig(), True).compile == "on"  # auto device: the CPU
