@@ -33,7 +33,7 @@ from pydantic import ValidationError
 
 from bench.common import bench_prompts, environment, table, write_results
 from engine.config import EngineConfig, SamplingParams, add_cli_args, error_text, from_cli
-from engine.llm import LLM, REPO, model_pair
+from engine.llm import LLM, REPO, compile_auto, model_pair
 
 
 class Server:
@@ -153,7 +153,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--prompt-len", type=int, default=128, help="prompts cut to this many tokens")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--startup-timeout", type=float, default=600.0)
+    ap.add_argument("--startup-timeout", type=float, default=1800.0,
+                    help="seconds a server may take to load and compile its steps")
     ap.add_argument("--out", default="runs/bench")
     a = ap.parse_args(argv)
     for flag in ("requests", "max_tokens", "prompt_len", "rounds"):
@@ -183,7 +184,8 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def _bench(a: argparse.Namespace, config: EngineConfig, servers: list[Server]) -> None:
-    llm = LLM(config=config, progress=False)  # loads while the servers start
+    # loads while the servers start; compiled when the default server is (`--compile auto`)
+    llm = LLM(config=compile_auto(config, True), progress=False)
     prompts, source = bench_prompts(llm, model_pair(config.model, config.draft)[0], a.requests,
                                     a.seed)
     prompts = [p[:a.prompt_len] for p in prompts]

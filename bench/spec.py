@@ -5,13 +5,14 @@
 On one model (default: the bundled one) and the same prompts (held-out corpus files for the
 bundled model, never trained on), greedy at batch size 1 by default, runs our `ar`, `chain` and
 `tree` at each budget, one sampled `tree` run (temperature 0.7, budget 16) for its accepted
-length, and, as peers on the same checkpoint, transformers' greedy `generate` and its
-prompt-lookup speculative decoding. Every engine is loaded once; then `--rounds` passes run all
-of them in turn (so a slow spell of a shared machine hits each alike), and each reports its
-median pass. Prints tokens/s with the ratio to our `ar`, mean accepted length (tokens per step,
-bonus included) and time per phase; writes JSON and PNG plots under `runs/bench/`. `--random`
-uses a tiny random target and drafter instead (whose drafts are rarely accepted: the numbers
-then show the step's overhead, not a speed-up).
+length beside the perfect-drafter ceiling at that budget and temperature (`perfect_ceiling`),
+and, as peers on the same checkpoint, transformers' greedy `generate` and its prompt-lookup
+speculative decoding. `--compile` runs our engines' compiled step. Every engine is loaded once;
+then `--rounds` passes run all of them in turn (so a slow spell of a shared machine hits each
+alike), and each reports its median pass. Prints tokens/s with the ratio to our `ar`, mean
+accepted length (tokens per step, bonus included) and time per phase; writes JSON and PNG plots
+under `runs/bench/`. `--random` uses a tiny random target and drafter instead (whose drafts are
+rarely accepted: the numbers then show the step's overhead, not a speed-up).
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ from bench.common import bench_prompts, environment, table, write_results
 from engine.config import SamplingParams
 from engine.llm import LLM, model_pair
 
-PHASES = ("draft", "build", "verify", "decide", "commit", "host", "prefill+sched")
+# A compiled step is timed whole ("step"); an eager one by phase.
+PHASES = ("draft", "build", "verify", "decide", "commit", "step", "host", "prefill+sched")
 
 
 Runner = Callable[[], dict[str, Any]]
@@ -95,6 +97,40 @@ def theirs(model: Path, prompts: list[list[int]], new_tokens: int, lookup: int |
     return run
 
 
+def perfect_ceiling(model: Path, prompts: list[list[int]], outputs: list[list[int]],
+                    budget: int, temperature: float, positions: int = 256) -> float | None:
+    """Tokens per step a perfect drafter would reach when sampling: at `positions` points spread
+    over the target's own sampled `outputs`, one plus the mass of the best-first tree of `budget`
+    nodes over the target's own conditionals at `temperature` (exact tree sampling reaches a node
+    with its path's probability, and no tree of that budget holds more). None without
+    transformers, which runs the conditionals here."""
+    import heapq
+
+    try:
+        from transformers import DeepseekV3ForCausalLM
+    except ImportError:
+        return None
+    hf = DeepseekV3ForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+    points = [p + o[:t] for p, o in zip(prompts, outputs) for t in range(len(o))]
+    points = points[::max(1, len(points) // positions)][:positions]
+    total = 0.0
+    with torch.inference_mode():
+        for ctx in points:
+            frontier: list[tuple[float, tuple[int, ...]]] = [(-1.0, ())]  # the root
+            mass, nodes = 0.0, 0
+            while nodes <= budget:
+                neg, path = heapq.heappop(frontier)
+                mass, nodes = mass - neg * (nodes > 0), nodes + 1
+                if nodes > budget:
+                    break
+                logits = hf(torch.tensor([ctx + list(path)])).logits[0, -1]
+                top = torch.softmax(logits.float() / temperature, -1).topk(budget)
+                for pr, tok in zip(top.values.tolist(), top.indices.tolist()):
+                    heapq.heappush(frontier, (neg * pr, (*path, tok)))
+            total += 1.0 + mass
+    return total / len(points)
+
+
 def median_round(results: list[dict[str, Any]]) -> dict[str, Any]:
     """The round with the median tokens/s, with every round's tokens/s attached."""
     rates = [r["tokens_per_s"] for r in results]
@@ -113,7 +149,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--sample-temperature", type=float, default=0.7,
                     help="temperature of the sampled tree-16 row (0: skip it)")
     ap.add_argument("--lookup", type=int, default=10, help="prompt_lookup_num_tokens")
-    ap.add_argument("--no-transformers", action="store_true", help="skip the transformers rows")
+    ap.add_argument("--no-transformers", action="store_true",
+                    help="skip the transformers rows and the perfect-drafter ceiling (its "
+                         "conditionals come from transformers)")
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--rounds", type=int, default=3,
                     help="timed passes over the prompts, every run interleaved in each round; "
@@ -198,7 +236,8 @@ def _bench(a: argparse.Namespace) -> None:
                        ("same_as_ar", "= ar", "d"),
                        ("ms_draft", "draft", ".2f"), ("ms_build", "build", ".2f"),
                        ("ms_verify", "verify", ".2f"), ("ms_decide", "decide", ".2f"),
-                       ("ms_commit", "commit", ".2f"), ("ms_host", "host", ".2f"),
+                       ("ms_commit", "commit", ".2f"), ("ms_step", "step", ".2f"),
+                       ("ms_host", "host", ".2f"),
                        ("ms_prefill+sched", "prefill", ".2f")]))
     print("(phase columns: milliseconds per step; '= ar': outputs identical to our ar of "
           f"{len(prompts)})")
@@ -215,6 +254,11 @@ def _bench(a: argparse.Namespace) -> None:
         hot = next((r for r in rows if r["mode"] == "tree" and r["temperature"] > 0), None)
         if hot is not None:
             summary["accept_tree16_sampled"] = hot["mean_accept_len"]
+            cap = None if a.no_transformers else perfect_ceiling(
+                model, prompts, hot["outputs"], 16, a.sample_temperature)
+            if cap is not None:
+                summary["ceiling_tree16_sampled"] = cap
+                summary["sampled_vs_ceiling"] = hot["mean_accept_len"] / cap
         print("  ".join(f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}"
                         for k, v in summary.items()))
 

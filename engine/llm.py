@@ -129,7 +129,7 @@ class LLM:
         shape = StepShape(cfg.mode, DEFAULT_BUDGET if cfg.budget is None else cfg.budget, block,
                           sample=False)
         policy = None if cfg.budget is not None or cfg.mode != "tree" else (
-            cfg.budget_policy or default_policy(device.type))
+            cfg.budget_policy or default_policy(device.type, cfg.compile == "on"))
         budgets = load_budgets(policy) if policy else None
         # NOTE: the page table must cover the step that can emit the most, whatever its size
         # (a policy sets every size's budgets).

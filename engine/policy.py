@@ -34,15 +34,17 @@ class PolicyError(ValueError):
     pass
 
 
-def policy_path(device_type: str) -> Path:
-    """Where the policy of a device type ships (`graphs.profile --tune` writes it there)."""
-    return CONFIGS / f"budgets-{device_type}.toml"
+def policy_path(device_type: str, compiled: bool = False) -> Path:
+    """Where the policy of a device type (and of its compiled step: its costs differ) ships;
+    `graphs.profile --tune` writes it there."""
+    return CONFIGS / f"budgets-{device_type}{'-compiled' if compiled else ''}.toml"
 
 
-def default_policy(device_type: str) -> Path | None:
-    """The shipped policy for a device type, if one was measured there."""
-    p = policy_path(device_type)
-    return p if p.is_file() else None
+def default_policy(device_type: str, compiled: bool = False) -> Path | None:
+    """The shipped policy for a device type (the compiled step's, else the eager one's), if one
+    was measured there."""
+    return next((p for p in (policy_path(device_type, compiled), policy_path(device_type))
+                 if p.is_file()), None)
 
 
 def _table(p: Path, name: str, table: Any) -> dict[int, int]:

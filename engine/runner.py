@@ -260,7 +260,7 @@ class StepGraphRunner:
         from tqdm import tqdm
 
         # A sampled step's promises come from its rows (`load`): warm up untruncated samplers
-        # alone, and beside greedy rows (never in one row; a mixed batch has three or more).
+        # alone, and beside greedy rows (which takes two rows; a mixed batch takes three).
         alone = {"filtered": False, "topk_rows": 0, "sort_rows": 0}
         beside = {"topk_rows": 0, "sort_rows": 0}
         todo = list(dict.fromkeys(
@@ -334,8 +334,8 @@ class StepGraphRunner:
             shape = replace(shape, **promise)
         width = self.max_pages
         if not self.use_graphs:
-            # Eager: gather only as much context as this batch has (a graph needs the full
-            # fixed width instead).
+            # Gather only as much context as this batch has (a captured graph needs the full
+            # fixed width; a compiled one takes any).
             width = min(self.max_pages, -(-max(map(len, inp.pages)) // 8) * 8)
         host = self.staging[size]
         pt = host["page_table"]

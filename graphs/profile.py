@@ -10,7 +10,9 @@ same step, time per phase (eager, synchronized at phase edges), tokens per step,
 telemetry from NVML. Each batch runs real requests (prefilled prompts of at most `--prompt-len`
 tokens: held-out corpus text when the model has a tokenizer, else random ids) through the
 runner; the eager and the replayed runs start from the same state and must emit the same
-tokens. Without CUDA it profiles the eager step on the CPU and says so.
+tokens. Without CUDA it profiles the eager step on the CPU and says so; with `--compile on` the
+compiled step stands in for the graph there (its first step's time, compile included, as the
+capture time).
 
 Under `torchrun --nproc-per-node N ... --tp N` every rank runs the same steps and the table
 adds the all-reduce share of the eager step.
@@ -18,7 +20,8 @@ adds the all-reduce share of the eager step.
 `--tune` measures accepted length and step time per (greedy/sampled, batch size, budget), budget
 0 (plain decoding through the same step) included, and writes the budget policy
 (`engine.policy`) that maximizes tokens per second at each batch size, greedy and sampled (at
-`--tune-temperature`).
+`--tune-temperature`); with `--compile on`, the compiled step's policy
+(`configs/budgets-cpu-compiled.toml`).
 """
 
 from __future__ import annotations
@@ -172,7 +175,7 @@ def _sync(device: torch.device) -> None:
 def _run(runner: StepGraphRunner, reqs: list[Request], warmup: int, steps: int,
          device: torch.device) -> dict[str, Any]:
     """Advance `reqs` through `warmup + steps` steps; time the last `steps`."""
-    times, tokens, emitted = [], 0, []
+    times, tokens, emitted, first = [], 0, [], 0.0
     runner.timer.totals.clear()
     tp = runner.models.tp
     for i in range(warmup + steps):
@@ -184,6 +187,7 @@ def _run(runner: StepGraphRunner, reqs: list[Request], warmup: int, steps: int,
         t0 = time.perf_counter()
         out, acc = runner.step(step_inputs(reqs, runner.coins_per_row(len(reqs))))
         dt = time.perf_counter() - t0
+        first = first or dt
         for r, toks, a in zip(reqs, out, acc):
             r.cache_len += a + 1
             r.output_ids += toks
@@ -193,7 +197,8 @@ def _run(runner: StepGraphRunner, reqs: list[Request], warmup: int, steps: int,
             tokens += sum(len(t) for t in out)
     comm = tp.comm.seconds.get("all_reduce", 0.0) if tp is not None else None
     return {"median_s": statistics.median(times), "total_s": sum(times), "tokens": tokens,
-            "emitted": emitted, "phases": dict(runner.timer.totals), "allreduce_s": comm}
+            "emitted": emitted, "phases": dict(runner.timer.totals), "allreduce_s": comm,
+            "first_s": first}
 
 
 def profile_size(bench: Bench, bs: int, budget: int, graphs: bool, tel: Telemetry,
@@ -226,12 +231,14 @@ def profile_size(bench: Bench, bs: int, budget: int, graphs: bool, tel: Telemetr
     if graphs:
         g = bench.runner([bs], budget, use_graphs=True)
         try:
-            g.capture(progress=False)
-            stats = list(g.capture_stats.values())
-            row["capture_s"] = sum(s["seconds"] for s in stats)
-            row["graph_bytes"] = sum(s["bytes"] for s in stats)
+            if not g.compile:  # a compiled step compiles the one shape it runs, at its first
+                g.capture(progress=False)
             with tel.sampler() as smp:
                 replay = _run(g, _snapshot(start), a.warmup, a.steps, dev)
+            stats = list(g.capture_stats.values())
+            row["capture_s"] = replay["first_s"] if g.compile else sum(
+                s["seconds"] for s in stats)
+            row["graph_bytes"] = sum(s["bytes"] for s in stats)
             row["replay_ms"] = replay["median_s"] * 1e3
             row["speedup"] = eager["median_s"] / replay["median_s"]
             row["replay_matches_eager"] = replay["emitted"] == eager["emitted"]
@@ -377,7 +384,8 @@ def _profile(a: argparse.Namespace, bench: Bench, device: torch.device, dtype: t
         result["tp"] = bench.models.tp.world
     if a.tune:
         policy = best_budgets(tuned)
-        path = write_budgets(a.policy_out or policy_path(device.type), policy,
+        compiled = graphs and device.type == "cpu"
+        path = write_budgets(a.policy_out or policy_path(device.type, compiled), policy,
                              tuned, note=(
             f"model {bench.model_dir.name}, drafter {bench.draft_dir and bench.draft_dir.name}, "
             f"{device} {dtype}, "

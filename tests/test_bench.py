@@ -1,10 +1,13 @@
 """`python -m bench.spec` end to end on a tiny random pair: every run appears once per round,
-greedy outputs of every mode equal ar's, and the JSON and plot are written."""
+greedy outputs of every mode equal ar's, and the JSON and plot are written; and its
+perfect-drafter ceiling."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+
+import pytest
 
 from bench import spec
 
@@ -22,3 +25,18 @@ def test_bench_spec_random_pair(tmp_path: Path) -> None:
     for r in data["runs"][:4]:
         assert r["same_as_ar"] == 2
     assert (tmp_path / "spec.png").stat().st_size > 0
+
+
+def test_perfect_ceiling_bounds(tmp_path: Path) -> None:
+    """The perfect-drafter ceiling: 1 at budget 0, at most 1 + budget, growing with the budget,
+    and nearly 1 + budget when the target is almost deterministic (a cold temperature)."""
+    pytest.importorskip("transformers")
+    from engine.tools.make_tiny import make_tiny
+
+    model = make_tiny(tmp_path / "t", dtype="fp32", layers=2, hidden=128)
+    prompts, outputs = [[5, 6, 7], [9, 10]], [[11, 12, 13, 14], [15, 16, 17]]
+    cap = {b: spec.perfect_ceiling(model, prompts, outputs, b, 1.0, positions=4)
+           for b in (0, 2, 6)}
+    assert cap[0] == 1.0 and 1.0 < cap[2] < cap[6] <= 7.0
+    cold = spec.perfect_ceiling(model, prompts, outputs, 6, 1e-4, positions=4)
+    assert cold == pytest.approx(7.0, abs=0.05)

@@ -279,6 +279,19 @@ def test_shipped_budget_policy_reads():
     assert all(b >= 0 for t in policy.values() for b in t.values())
 
 
+def test_the_compiled_steps_policy_falls_back_to_the_eager_one(tmp_path, monkeypatch):
+    import engine.policy as policy
+    from engine.policy import default_policy, policy_path
+
+    monkeypatch.setattr(policy, "CONFIGS", tmp_path)
+    assert default_policy("cpu", True) is None
+    eager = write_budgets(policy_path("cpu"), {False: {1: 4}})
+    assert default_policy("cpu", True) == eager == tmp_path / "budgets-cpu.toml"
+    compiled = write_budgets(policy_path("cpu", True), {False: {1: 8}})
+    assert default_policy("cpu", True) == compiled == tmp_path / "budgets-cpu-compiled.toml"
+    assert default_policy("cpu") == eager
+
+
 def test_planner_runs_outside_the_step_with_the_loaded_host_inputs(models):
     shape = StepShape("tree", 6, BLOCK, False)
     pool = make_pool(models)
