@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import shutil
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
@@ -52,11 +54,12 @@ def resolve_device(cfg: EngineConfig) -> tuple[torch.device, torch.dtype]:
 
 
 def compile_auto(cfg: EngineConfig, pays_back: bool) -> EngineConfig:
-    """`cfg` with `--compile auto` settled: on where the step compiles (the CPU, one process)
-    and the caller expects the compile to pay back."""
+    """`cfg` with `--compile auto` settled: on where the step compiles (the CPU, one process,
+    a C++ compiler) and the caller expects the compile to pay back."""
     if cfg.compile != "auto":
         return cfg
-    on = pays_back and cfg.tp == 1 and resolve_device(cfg)[0].type == "cpu"
+    cxx = shutil.which(os.environ.get("CXX") or "g++")  # what inductor compiles its kernels with
+    on = pays_back and cxx is not None and cfg.tp == 1 and resolve_device(cfg)[0].type == "cpu"
     return replace(cfg, compile="on" if on else "off")
 
 
@@ -102,10 +105,13 @@ class GenerationOutput:
 
 class LLM:
     """The offline engine: `LLM(model, draft, **engine knobs)` (see `EngineConfig`), or
-    `LLM(config=EngineConfig(...))`."""
+    `LLM(config=EngineConfig(...))`. `warm_up=False` leaves capturing (or compiling) the step
+    graphs to the caller, `runner.capture()` from the thread that will run the steps: a compiled
+    step's kernels keep the torch threads they were compiled with (followers still capture)."""
 
     def __init__(self, model: str | Path | None = None, draft: str | Path | None = None,
-                 *, progress: bool = True, config: EngineConfig | None = None, **engine: Any):
+                 *, progress: bool = True, config: EngineConfig | None = None,
+                 warm_up: bool = True, **engine: Any):
         paths = {k: str(v) for k, v in (("model", model), ("draft", draft)) if v is not None}
         if config is None:
             config = EngineConfig(**paths, **engine)
@@ -149,7 +155,8 @@ class LLM:
                                       use_graphs=cfg.use_graphs, timer=self.timer,
                                       budgets=budgets, compile=cfg.compile == "on")
         self._attach_attention(max_pages)
-        self.runner.capture(progress=progress)
+        if warm_up or not self.is_leader:
+            self.runner.capture(progress=progress)
         # Without graphs nothing needs fixed shapes: route tokens only through their experts.
         self.models.sparse_moe = not (self.runner.use_graphs or self.runner.compile)
         stop_ids = self.tokenizer.stop_ids if self.tokenizer else frozenset(

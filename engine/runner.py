@@ -272,7 +272,13 @@ class StepGraphRunner:
             buf = self.buffers[bs].fit(shape)
             _pad(buf.inputs(), 0)
             t0 = time.perf_counter()
-            self._run_compiled(buf, shape, min(8, self.max_pages))
+            try:
+                self._run_compiled(buf, shape, min(8, self.max_pages))
+            except Exception as e:
+                raise CaptureError(
+                    f"compiling the {shape.mode} step at batch size {bs} failed: "
+                    f"{type(e).__name__}: {e}. Inductor needs a C++ compiler (g++, or $CXX); "
+                    f"--compile off runs the step eagerly.") from e
             self.capture_stats[(bs, shape)] = {"seconds": time.perf_counter() - t0, "bytes": 0}
 
     def _run_compiled(self, buf: StepBuffers, shape: StepShape, width: int) -> None:

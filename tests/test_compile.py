@@ -81,7 +81,7 @@ def test_warm_up_covers_the_common_batches(models, monkeypatch):
     assert set(warmed) == loaded
 
 
-def test_compile_auto_is_settled_per_use():
+def test_compile_auto_is_settled_per_use(monkeypatch):
     cpu = EngineConfig(device="cpu")
     assert compile_auto(cpu, True).compile == "on"
     assert compile_auto(cpu, False).compile == "off"
@@ -90,3 +90,5 @@ def test_compile_auto_is_settled_per_use():
     assert compile_auto(replace(cpu, compile="on"), False).compile == "on"
     if not torch.cuda.is_available():
         assert compile_auto(EngineConfig(), True).compile == "on"  # auto device: the CPU
+    monkeypatch.setenv("CXX", "no-such-compiler")  # inductor could not build its kernels
+    assert compile_auto(cpu, True).compile == "off"

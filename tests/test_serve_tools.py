@@ -100,6 +100,9 @@ class ScriptedRunner:
         it = self.rows[inp.pages[0]] = iter(self.scripts.popleft())
         return next(it, self.eos)
 
+    def capture(self, progress: bool = True) -> None:
+        """Nothing to capture: the server calls it before serving."""
+
     def step(self, inp: StepInputs) -> tuple[list[list[int]], list[int]]:
         out = [list(itertools.islice(self.rows[p[0]], EMIT)) or [self.eos] for p in inp.pages]
         return out, [len(o) - 1 for o in out]

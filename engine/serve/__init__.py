@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> None:
     # small machine: the main thread loads at one thread, the engine thread gets the rest.
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    llm = LLM(config=compile_auto(engine, True))  # a server runs long enough to pay it back
+    llm = LLM(config=compile_auto(engine, True), warm_up=False)  # warmed up by the engine thread
     if not llm.is_leader:  # tensor-parallel ranks > 0 run rank 0's model calls until it stops
         torch.set_num_threads(threads)
         try:

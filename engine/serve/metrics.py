@@ -16,7 +16,6 @@ class Metrics:
     def __init__(self, max_emit: int):
         r = self.registry = CollectorRegistry()
         c = lambda name, doc, *labels: Counter(name, doc, labels, registry=r)  # noqa: E731
-        g = lambda name, doc: Gauge(name, doc, registry=r)  # noqa: E731
         self.finished = c("kimi_requests_finished", "Requests finished, by reason.", "reason")
         self.prompt_tokens = c("kimi_prompt_tokens", "Prompt tokens of accepted requests.")
         self.generated = c("kimi_generation_tokens", "Generated tokens.")
@@ -27,10 +26,10 @@ class Metrics:
         self.accepted = Histogram("kimi_accepted_tokens_per_step", "Tokens emitted per request "
                                   "per step (accepted drafts + 1).",
                                   buckets=range(1, max_emit + 1), registry=r)
-        self.queue_depth = g("kimi_queue_depth", "Requests waiting for a batch slot.")
-        self.running = g("kimi_running_requests", "Requests in the running batch.")
-        self.kv_pages_free = g("kimi_kv_pages_free", "Free KV cache pages.")
-        self.kv_pages_total = g("kimi_kv_pages_total", "Usable KV cache pages.")
+        self.queue_depth = Gauge("kimi_queue_depth", "Requests waiting for a batch.", registry=r)
+        self.running = Gauge("kimi_running_requests", "Requests in the running batch.", registry=r)
+        self.kv_pages_free = Gauge("kimi_kv_pages_free", "Free KV cache pages.", registry=r)
+        self.kv_pages_total = Gauge("kimi_kv_pages_total", "Usable KV cache pages.", registry=r)
 
     def instrument(self, app: FastAPI) -> None:
         Instrumentator(should_group_status_codes=False, registry=self.registry).add(

@@ -71,13 +71,15 @@ class Engine:
 
     @contextlib.asynccontextmanager
     async def running(self) -> AsyncIterator[None]:
-        """The engine loop runs inside this context; leaving it fails what is still in flight."""
-        task = asyncio.get_running_loop().create_task(self._run())
-        try:
-            yield
-        finally:
-            self.post("stop", None)
-            await task
+        """Step graphs captured on the step thread, then the engine loop; leaving fails the rest."""
+        with ThreadPoolExecutor(1, "engine", torch.set_num_threads, (self.threads,)) as thread:
+            await asyncio.get_running_loop().run_in_executor(thread, self.llm.runner.capture)
+            task = asyncio.get_running_loop().create_task(self._run(thread))
+            try:
+                yield
+            finally:
+                self.post("stop", None)
+                await task
 
     def submit(self, h: Handle) -> None:
         """Queues `h`'s request; raises RequestRejected at once when it can never run."""
@@ -89,36 +91,35 @@ class Engine:
         self._todo.append((kind, h))  # type: ignore[arg-type]
         self._wake.set()
 
-    async def _run(self) -> None:
-        loop = asyncio.get_running_loop()
+    async def _run(self, thread: ThreadPoolExecutor) -> None:
         # NOTE: one thread for every step, so the scheduler and the models only ever run there
         # or here, never both at once (this task awaits each step before touching them again).
-        with ThreadPoolExecutor(1, "engine", torch.set_num_threads, (self.threads,)) as steps:
-            while True:
-                if not self._todo and not self.sched.has_work:
-                    await self._wake.wait()
-                self._wake.clear()
-                todo, self._todo = self._todo, []
-                for kind, h in todo:
-                    if kind == "stop":
-                        return self._fail_all("the server is shutting down")
-                    self._command(kind, h)
-                if self.sched.has_work:
-                    try:
-                        t0 = time.perf_counter()
-                        events = await loop.run_in_executor(steps, self.sched.step)
-                        self._stepped(events, time.perf_counter() - t0)
-                    except Exception as e:  # noqa: BLE001 - the engine outlives any one failure
-                        log.exception("engine step failed; failing every in-flight request")
-                        self._fail_all(f"engine error: {type(e).__name__}: {e}")
-                        if isinstance(e, PeerLost):
-                            # NOTE: a tensor-parallel peer is gone and no later step can run:
-                            # stop the server (main exits non-zero).
-                            self.fatal = str(e)
-                            os.kill(os.getpid(), signal.SIGTERM)
-                            return
-                else:  # a step publishes itself
-                    self._publish()
+        loop = asyncio.get_running_loop()
+        while True:
+            if not self._todo and not self.sched.has_work:
+                await self._wake.wait()
+            self._wake.clear()
+            todo, self._todo = self._todo, []
+            for kind, h in todo:
+                if kind == "stop":
+                    return self._fail_all("the server is shutting down")
+                self._command(kind, h)
+            if self.sched.has_work:
+                try:
+                    t0 = time.perf_counter()
+                    events = await loop.run_in_executor(thread, self.sched.step)
+                    self._stepped(events, time.perf_counter() - t0)
+                except Exception as e:  # noqa: BLE001 - the engine outlives any one failure
+                    log.exception("engine step failed; failing every in-flight request")
+                    self._fail_all(f"engine error: {type(e).__name__}: {e}")
+                    if isinstance(e, PeerLost):
+                        # NOTE: a tensor-parallel peer is gone and no later step can run:
+                        # stop the server (main exits non-zero).
+                        self.fatal = str(e)
+                        os.kill(os.getpid(), signal.SIGTERM)
+                        return
+            else:  # a step publishes itself
+                self._publish()
 
     def _command(self, kind: str, h: Handle) -> None:
         if kind == "add":
