@@ -77,6 +77,7 @@ class Server:
                           "context_length_exceeded")
         params = body.sampling_params(want or min(limit if chat else COMPLETIONS_DEFAULT_MAX_TOKENS,
                                                    limit - n))
+        out = OutputStream(tok, ids, params.stop, **body.parsing() if chat else {}) if tok else None
         if self.waiting >= self.max_queue:
             raise api.error(503, f"the server is busy: {self.waiting} requests are already "
                                  f"waiting (--max-queue {self.max_queue}); retry later", None,
@@ -88,7 +89,6 @@ class Server:
             raise api.bad(param, f"request rejected: {e} ({param}: {len(ids)} tokens, "
                                  f"max_tokens: {params.max_new_tokens})") from e
         self.active += 1
-        out = OutputStream(tok, ids, params.stop, **body.parsing() if chat else {}) if tok else None
         return ids, h, out
 
     def close(self, h: Handle) -> None:
