@@ -126,6 +126,10 @@ class LLM:
             self.tp = Group.init(cfg.tp, device, heartbeat_timeout_s=cfg.tp_timeout)
             device = self.tp.device
             progress = progress and self.tp.rank == 0
+        compiled = cfg.compile == "on"  # "auto" is settled by the CLIs (`compile_auto`)
+        if compiled and (device.type != "cpu" or self.tp is not None):
+            raise ValueError("--compile on compiles the CPU's step in a single process; CUDA "
+                             "captures graphs (use --compile auto or off)")
         self.models, self.model_dir = load_models(cfg, device, dtype, self.tp, progress)
         self.tokenizer = (Tokenizer.from_dir(self.model_dir)
                           if (self.model_dir / "tiktoken.model").is_file() else None)
@@ -135,7 +139,7 @@ class LLM:
         shape = StepShape(cfg.mode, DEFAULT_BUDGET if cfg.budget is None else cfg.budget, block,
                           sample=False)
         policy = None if cfg.budget is not None or cfg.mode != "tree" else (
-            cfg.budget_policy or default_policy(device.type, cfg.compile == "on"))
+            cfg.budget_policy or default_policy(device.type, compiled))
         budgets = load_budgets(policy) if policy else None
         # NOTE: the page table must cover the step that can emit the most, whatever its size
         # (a policy sets every size's budgets).
@@ -146,14 +150,11 @@ class LLM:
         num_pages = cfg.kv_pages or (1 + cfg.max_batch_size * max_pages)
         self.pool = self.models.kv_pool(cfg.page_size, num_pages, dtype, device)
         self.timer = PhaseTimer()
-        if cfg.compile == "on" and (device.type != "cpu" or self.tp is not None):
-            raise ValueError("--compile on compiles the CPU's step in a single process; CUDA "
-                             "captures graphs (use --compile auto or off)")
         self.runner = StepGraphRunner(self.models, self.pool, shape,
                                       max_batch_size=cfg.max_batch_size, max_pages=max_pages,
                                       capture_sizes=cfg.capture_sizes,
                                       use_graphs=cfg.use_graphs, timer=self.timer,
-                                      budgets=budgets, compile=cfg.compile == "on")
+                                      budgets=budgets, compile=compiled)
         self._attach_attention(max_pages)
         if warm_up or not self.is_leader:
             self.runner.capture(progress=progress)

@@ -11,6 +11,7 @@ host copies, replays (or calls) the step, and reads back the small decision tens
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import gc
 import inspect
@@ -287,15 +288,19 @@ class StepGraphRunner:
         import torch._dynamo
 
         key = (buf.anchor.shape[0], shape)
+        # NOTE: dynamo reads its config only when it compiles, which a known key never does
+        # (its width is symbolic), so a step of a known key skips the config patch.
+        patch = contextlib.nullcontext()
         if key not in self.compiled:
             log.info("compiling the %s step (budget %d, %s) at batch size %d", shape.mode,
                      shape.budget, "sampled" if shape.sample else "greedy", key[0])
+            patch = torch._dynamo.config.patch(automatic_dynamic_shapes=False,
+                                               recompile_limit=1 << 12,
+                                               accumulated_recompile_limit=1 << 12)
         # NOTE: a contiguous table, so the full width is no other graph than a slice of it
         view = replace(buf, page_table=buf.page_table[:, :width].contiguous())
         torch._dynamo.mark_dynamic(view.page_table, 1)
-        with torch.no_grad(), torch._dynamo.config.patch(
-                automatic_dynamic_shapes=False, recompile_limit=1 << 12,
-                accumulated_recompile_limit=1 << 12):
+        with torch.no_grad(), patch:
             _compiled_step()(self.models, self.pool, view, shape)
         self.compiled.add(key)
 
