@@ -53,6 +53,15 @@ def resolve_device(cfg: EngineConfig) -> tuple[torch.device, torch.dtype]:
     return torch.device("cuda" if cuda else "cpu"), DTYPES[dtype]
 
 
+def compiles(cfg: EngineConfig, device: torch.device) -> bool:
+    """Whether `cfg` compiles the step (`--compile on`; the CLIs settle `auto` first with
+    `compile_auto`). Refuses where it cannot: CUDA captures graphs, and it runs in one process."""
+    if cfg.compile == "on" and (device.type != "cpu" or cfg.tp != 1):
+        raise ValueError("--compile on compiles the CPU's step in a single process; CUDA "
+                         "captures graphs (use --compile auto or off)")
+    return cfg.compile == "on"
+
+
 def compile_auto(cfg: EngineConfig, pays_back: bool) -> EngineConfig:
     """`cfg` with `--compile auto` settled: on where the step compiles (the CPU, one process,
     a C++ compiler) and the caller expects the compile to pay back."""
@@ -119,6 +128,7 @@ class LLM:
             config = replace(config, **paths, **engine)
         self.config = cfg = config
         device, dtype = resolve_device(cfg)
+        compiled = compiles(cfg, device)  # "auto" is off here: the CLIs settle it
         self.tp: Group | None = None
         self._following = True  # followers: until the leader says "stop"
         self._closed = False
@@ -126,10 +136,6 @@ class LLM:
             self.tp = Group.init(cfg.tp, device, heartbeat_timeout_s=cfg.tp_timeout)
             device = self.tp.device
             progress = progress and self.tp.rank == 0
-        compiled = cfg.compile == "on"  # "auto" is settled by the CLIs (`compile_auto`)
-        if compiled and (device.type != "cpu" or self.tp is not None):
-            raise ValueError("--compile on compiles the CPU's step in a single process; CUDA "
-                             "captures graphs (use --compile auto or off)")
         self.models, self.model_dir = load_models(cfg, device, dtype, self.tp, progress)
         self.tokenizer = (Tokenizer.from_dir(self.model_dir)
                           if (self.model_dir / "tiktoken.model").is_file() else None)

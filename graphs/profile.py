@@ -47,7 +47,7 @@ from engine.config import (
 )
 from engine.dist import Group
 from engine.kv_cache import pages_needed
-from engine.llm import load_models, model_pair, resolve_device
+from engine.llm import compiles, load_models, model_pair, resolve_device
 from engine.policy import TABLES, policy_path, write_budgets
 from engine.request import Request
 from engine.runner import CaptureError, PhaseTimer, StepGraphRunner
@@ -321,14 +321,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         device, dtype = resolve_device(cfg)
+        compiled = compiles(cfg, device)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    # A captured graph on CUDA; with --compile on, the compiled step on the CPU.
-    if cfg.compile == "on" and device.type != "cpu":
-        print("error: --compile on compiles the CPU's step; CUDA captures graphs", file=sys.stderr)
-        return 2
-    graphs = device.type == "cuda" or cfg.compile == "on"
+    graphs = device.type == "cuda" or compiled  # captured on CUDA, compiled on the CPU
     progress = not a.no_progress
     if a.threads or device.type == "cpu":
         torch.set_num_threads(a.threads or 1)

@@ -11,7 +11,7 @@ import torch
 from torch._dynamo.utils import counters
 
 from engine.config import EngineConfig, SamplingParams
-from engine.llm import compile_auto
+from engine.llm import compile_auto, compiles
 from engine.runner import StepInputs
 from engine.spec import StepShape
 from tests.graph_helpers import (
@@ -92,3 +92,12 @@ def test_compile_auto_is_settled_per_use(monkeypatch):
         assert compile_auto(EngineConfig(), True).compile == "on"  # auto device: the CPU
     monkeypatch.setenv("CXX", "no-such-compiler")  # inductor could not build its kernels
     assert compile_auto(cpu, True).compile == "off"
+
+
+def test_compile_on_is_refused_where_it_cannot_run():
+    on, cpu = EngineConfig(device="cpu", compile="on"), torch.device("cpu")
+    assert compiles(on, cpu) and not compiles(replace(on, compile="off"), cpu)
+    assert not compiles(replace(on, compile="auto"), cpu)  # settled by the CLIs, not here
+    for cfg, device in ((replace(on, tp=2), cpu), (on, torch.device("cuda"))):
+        with pytest.raises(ValueError, match="single process; CUDA captures graphs"):
+            compiles(cfg, device)
