@@ -62,16 +62,24 @@ def ours(model: Path, draft: Path | None, mode: str, budget: int, prompts: list[
     return run
 
 
+def hf_model(model: Path) -> Any:
+    """The checkpoint as transformers' `DeepseekV3ForCausalLM` (fp32, eval); None, saying so,
+    without transformers."""
+    try:
+        from transformers import DeepseekV3ForCausalLM
+    except ImportError:
+        print("transformers is not installed: skipping what it runs (pip install -e '.[dev]')")
+        return None
+    return DeepseekV3ForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+
+
 def theirs(model: Path, prompts: list[list[int]], new_tokens: int, lookup: int | None
            ) -> Runner | None:
     """transformers' greedy generate (or prompt-lookup decoding) on the same checkpoint, one
     prompt at a time, EOS ignored; None without transformers."""
-    try:
-        from transformers import DeepseekV3ForCausalLM
-    except ImportError:
-        print("transformers is not installed: skipping its rows (pip install -e '.[dev]')")
+    hf = hf_model(model)
+    if hf is None:
         return None
-    hf = DeepseekV3ForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
     kw: dict[str, Any] = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens,
                               do_sample=False, pad_token_id=0)
     if lookup:
@@ -106,11 +114,9 @@ def perfect_ceiling(model: Path, prompts: list[list[int]], outputs: list[list[in
     transformers, which runs the conditionals here."""
     import heapq
 
-    try:
-        from transformers import DeepseekV3ForCausalLM
-    except ImportError:
+    hf = hf_model(model)
+    if hf is None:
         return None
-    hf = DeepseekV3ForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
     points = [p + o[:t] for p, o in zip(prompts, outputs) for t in range(len(o))]
     points = points[::max(1, len(points) // positions)][:positions]
     total = 0.0
