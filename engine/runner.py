@@ -334,12 +334,13 @@ class StepGraphRunner:
         shape = self.shapes[(size, self.kind(inp.params))]
         fixed = self.use_graphs or self.compile  # a graph runs its whole size
         buf = self.buffers[size].rows(size if (pad or fixed) else b).fit(shape)
+        cuts = [_cut(x) for x in inp.params]
         if shape.sample and not self.use_graphs:
             # Truncate only the rows that ask for it, and sort the vocabulary only for rows
             # whose cut may not fit in a bounded top-k; a compiled step promises for every row
             # or none, so few variants exist.
             vocab = self.models.target.cfg.vocab_size
-            promise = row_promises(map(_cut, inp.params), vocab)
+            promise = row_promises(cuts, vocab)
             if self.compile:
                 promise = {k: size if v and k != "filtered" else v for k, v in promise.items()}
             shape = replace(shape, **promise)
@@ -362,8 +363,8 @@ class StepGraphRunner:
         host["anchor"][:b] = torch.tensor(inp.anchor)
         host["cache_len"][:b] = torch.tensor(inp.cache_len)
         host["temperature"][:b] = torch.tensor([1.0 if x.greedy else x.temperature for x in p])
-        host["top_k"][:b] = torch.tensor([_cut(x)[0] for x in p])
-        host["top_p"][:b] = torch.tensor([_cut(x)[1] for x in p])
+        host["top_k"][:b] = torch.tensor([k for k, _ in cuts])
+        host["top_p"][:b] = torch.tensor([q for _, q in cuts])
         if shape.sample:  # a greedy step reads no coins
             host["coins"][:b, :N] = coins[:, :N]
             host["final_coins"][:b] = coins[:, N]
