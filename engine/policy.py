@@ -92,17 +92,33 @@ def budgets_for_sizes(policy: Mapping[int, int], sizes: Sequence[int]) -> dict[i
     return out
 
 
+def best_budgets(rows: Sequence[Mapping[str, Any]]) -> Policy:
+    """The budget of the most tokens per second at each (sampling, batch size), from rows with
+    `sample`, `batch_size`, `budget` and `tokens_per_s`."""
+    best: dict[tuple[bool, int], Mapping[str, Any]] = {}
+    for m in rows:
+        k = (m["sample"], m["batch_size"])
+        if k not in best or m["tokens_per_s"] > best[k]["tokens_per_s"]:
+            best[k] = m
+    return {s: {bs: m["budget"] for (s2, bs), m in sorted(best.items()) if s2 == s}
+            for s in (False, True)}
+
+
 def write_budgets(path: str | Path, policy: Mapping[bool, Mapping[int, int]],
-                  measured: Sequence[Mapping[str, Any]] = (), note: str = "") -> Path:
-    """Write the tables (and, as comments, the measurements they came from)."""
+                  measured: Sequence[Mapping[str, Any]] = (), note: str = "",
+                  source: str = "measured") -> Path:
+    """Write the tables (and, as comments, the rows they came from: `source` says whether those
+    were measured or estimated)."""
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
     lines = ["# Tree budget per captured batch size and sampling mode (0: plain decoding through",
              "# the same step), read by engine.policy. Written by `python -m graphs.profile "
-             "--tune`."]
+             "--tune`",
+             "# (measured) or `python -m graphs.plan --cost --tune` (estimated)."]
     lines += [f"# {line}" for line in note.splitlines()]
     if measured:
-        lines.append("# measured: mode, batch size, budget, tokens per row-step, step ms, tokens/s")
+        lines.append(f"# {source}: mode, batch size, budget, tokens per row-step, step ms, "
+                     f"tokens/s")
         lines += [f"#   {TABLES[m['sample']]:>7} {m['batch_size']:>4} {m['budget']:>4} "
                   f"{m['accept']:7.3f} {m['step_ms']:9.3f} {m['tokens_per_s']:10.1f}"
                   for m in measured]

@@ -4,7 +4,7 @@ no GPU: the models are built on the meta device from the checkpoint's own `confi
     python -m graphs.plan --model configs/kimi-k2.5-text --tp 8 [--draft DIR] [--gpu-memory 141GB]
         [--max-model-len L] [--max-batch-size B] [--json FILE]
         [--cost --batch-sizes 1,8,32 --budgets 4,8,16,32 --context 4096 --gpus H200,RTX-PRO-6000
-         --accept-len 3.7]
+         --accept-len 3.7] [--tune --accept-lens 2:2.1,8:4.0 --sampled-accept-lens 2:1.4,8:1.7]
 
 Memory: weight bytes per rank as stored (INT4 experts as words and scales, FP8 with its block
 scales, the rest bf16), KV bytes per token (target latent cache and drafter context) and the
@@ -21,6 +21,14 @@ executed: with the expert blocks' padding), bytes, all-reduce bytes, and a roofl
 `--gpus` entry: `max(FLOPs / peak, bytes / HBM) + all-reduces` (ring: `2 (W-1)/W` of the bytes
 over the link, plus a fixed latency each), and the tree/AR speed-up a mean accepted length of
 `--accept-len` tokens per step implies.
+
+Tune (`--cost --tune`): the budget policy (`engine.policy`) these costs imply until one is
+measured on a GPU (`graphs.profile --tune` there): for greedy and sampled steps at each batch
+size, the budget (0: plain decoding, the drafter fed) of the most tokens per second on the first
+`--gpus` entry, from its roofline step time and the mean tokens a step emits at that budget
+(`--accept-lens`, `--sampled-accept-lens`: measured elsewhere, say by `bench.spec` or
+`graphs.profile --tune` on a smaller pair). Written to `configs/budgets-cuda.toml`, the CUDA
+default, unless `--policy-out` says where.
 """
 
 from __future__ import annotations
@@ -50,6 +58,7 @@ from engine.kv_cache import KVPool, pages_needed
 from engine.models.dflash import DFlashDrafter
 from engine.models.kimi import KimiForCausalLM
 from engine.models.layers import FP8, cast_parameters, checkpoint_tensors
+from engine.policy import TABLES, best_budgets, policy_path, write_budgets
 from engine.runner import default_capture_sizes
 from engine.spec import Models, StepBuffers, StepShape, spec_step
 from ops.moe import moe_bytes, moe_flops
@@ -276,6 +285,14 @@ def run_step(models: Models, shape: StepShape, bs: int, max_pages: int, page_siz
             "peak_activation_bytes": peak.peak}
 
 
+def shape_cost(a: argparse.Namespace, models: Models, shape: StepShape, bs: int,
+               dtype: torch.dtype) -> dict[str, Any]:
+    """`run_step` of `shape` at `bs` rows with page tables for `--max-model-len` tokens."""
+    max_len = a.max_model_len or models.target.cfg.max_position_embeddings
+    max_pages = pages_needed(max_len + shape.max_emit, a.page_size)
+    return run_step(models, shape, bs, max_pages, a.page_size, dtype, a.context)
+
+
 def roofline(row: dict[str, Any], gpu: GPU, tp: int) -> float:
     """Seconds: the slower of compute and memory, plus the collectives over the link."""
     ring = 2 * (tp - 1) / tp if tp > 1 else 0.0
@@ -309,6 +326,14 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--gpus", default="H200", help=f"comma-separated, of {', '.join(GPUS)}")
     ap.add_argument("--accept-len", type=float, default=3.7,
                     help="mean tokens a tree step emits, for the implied speed-up")
+    ap.add_argument("--tune", action="store_true", help="with --cost: write the budget policy "
+                    "these costs imply (the CUDA default until one is measured on a GPU)")
+    ap.add_argument("--accept-lens", type=accept_lens, default=None,
+                    help="for --tune, greedy: budget:mean tokens a step emits, e.g. 2:2.1,8:4.0")
+    ap.add_argument("--sampled-accept-lens", type=accept_lens, default=None,
+                    help="for --tune, the same for sampled steps")
+    ap.add_argument("--policy-out", type=Path, default=None,
+                    help="where --tune writes (default: configs/budgets-cuda.toml)")
     return ap
 
 
@@ -348,18 +373,18 @@ def memory(a: argparse.Namespace, models: Models, dtype: torch.dtype, gpu_memory
             "budget": a.budget}
 
 
+def _block(models: Models) -> int:
+    return models.drafter.c.block_size if models.drafter is not None else 8
+
+
 def costs(a: argparse.Namespace, models: Models, dtype: torch.dtype, gpus: list[str]
           ) -> list[dict[str, Any]]:
-    c, d = models.target.cfg, models.drafter
-    max_len = a.max_model_len or c.max_position_embeddings
-    block = d.c.block_size if d is not None else 8
     rows, ar_time = [], {}
     for bs in a.batch_sizes:
         for mode, budget in [("ar", 0), *(("tree", b) for b in a.budgets)]:
-            shape = StepShape(mode, max(budget, 1), block, False)
-            max_pages = pages_needed(max_len + shape.max_emit, a.page_size)
+            shape = StepShape(mode, max(budget, 1), _block(models), False)
             r = {"mode": mode, "batch_size": bs, "budget": budget,
-                 **run_step(models, shape, bs, max_pages, a.page_size, dtype, a.context)}
+                 **shape_cost(a, models, shape, bs, dtype)}
             r["seconds"] = {g: roofline(r, GPUS[g], a.tp) for g in gpus}
             if mode == "ar":
                 ar_time[bs] = r["seconds"]
@@ -369,8 +394,48 @@ def costs(a: argparse.Namespace, models: Models, dtype: torch.dtype, gpus: list[
     return rows
 
 
+def tune(a: argparse.Namespace, models: Models, dtype: torch.dtype, gpu: str
+         ) -> list[dict[str, Any]]:
+    """Estimated tokens per second of every (greedy/sampled, batch size, budget), budget 0
+    included (one token a step), in `engine.policy.best_budgets`' rows."""
+    from tqdm import tqdm
+
+    todo = [(sample, bs, budget, acc)
+            for sample, lens in ((False, a.accept_lens), (True, a.sampled_accept_lens))
+            for bs in a.batch_sizes for budget, acc in [(0, 1.0), *sorted(lens.items())]]
+    rows = []
+    for sample, bs, budget, acc in tqdm(todo, desc="costing budgets"):
+        shape = StepShape("tree", budget, _block(models), sample)
+        seconds = roofline(shape_cost(a, models, shape, bs, dtype), GPUS[gpu], a.tp)
+        rows.append({"sample": sample, "batch_size": bs, "budget": budget, "accept": acc,
+                     "step_ms": seconds * 1e3, "tokens_per_s": acc * bs / seconds})
+    return rows
+
+
+def accept_lens(s: str) -> dict[int, float]:
+    """An argparse type: `budget:tokens,...`, the mean tokens a tree step of each budget emits
+    (bonus included: at least 1, at most budget + 1)."""
+    out = {}
+    for item in filter(None, (x.strip() for x in s.split(","))):
+        try:
+            k, v = item.split(":")
+            budget, acc = int(k), float(v)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(f"expected budget:tokens pairs, got {item!r}") from e
+        if budget < 1 or not 1.0 <= acc <= budget + 1:
+            raise argparse.ArgumentTypeError(
+                f"{item!r}: a budget >= 1 emits between 1 and budget + 1 tokens a step")
+        out[budget] = acc
+    if not out:
+        raise argparse.ArgumentTypeError("expected budget:tokens pairs, got nothing")
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
-    a = build_parser().parse_args(argv)
+    ap = build_parser()
+    a = ap.parse_args(argv)
+    if a.tune and not (a.cost and a.accept_lens and a.sampled_accept_lens and a.draft):
+        ap.error("--tune needs --cost, --draft, --accept-lens and --sampled-accept-lens")
     gpus = [g.strip() for g in a.gpus.split(",") if g.strip()]
     bad = [g for g in gpus if g not in GPUS]
     if bad or a.tp < 1:
@@ -394,6 +459,19 @@ def main(argv: list[str] | None = None) -> int:
         result["note"] = None if a.draft else \
             "no --draft: tree rows cost the target's verify, build, decide and commit alone"
         print(cost_table(result, gpus))
+    if a.tune:
+        rows = tune(a, models, dtype, gpus[0])
+        policy = best_budgets(rows)
+        path = write_budgets(a.policy_out or policy_path("cuda"), policy, rows, source=(
+            "estimated (roofline step time)"), note=(
+            f"estimated by `python -m graphs.plan --cost --tune`, not measured: {a.model.name} "
+            f"with {a.draft.name} at --tp {a.tp} on {gpus[0]}, {a.dtype}, context {a.context} "
+            f"tokens a row;\naccepted lengths given: greedy {a.accept_lens}, sampled "
+            f"{a.sampled_accept_lens}. Measure on a GPU with `python -m graphs.profile --tune`."))
+        result["tune"] = rows
+        result["policy"] = {"path": str(path), "budgets": {
+            TABLES[k]: v for k, v in policy.items()}}
+        print(f"wrote {path}", file=sys.stderr)
     if a.json:
         a.json.parent.mkdir(parents=True, exist_ok=True)
         a.json.write_text(json.dumps(result, indent=2) + "\n")

@@ -48,7 +48,7 @@ from engine.config import (
 from engine.dist import Group
 from engine.kv_cache import pages_needed
 from engine.llm import compiles, load_models, model_pair, resolve_device
-from engine.policy import TABLES, policy_path, write_budgets
+from engine.policy import TABLES, best_budgets, policy_path, write_budgets
 from engine.request import Request
 from engine.runner import CaptureError, PhaseTimer, StepGraphRunner
 from engine.scheduler import Scheduler, step_inputs
@@ -295,17 +295,6 @@ def tune(bench: Bench, graphs: bool, tel: Telemetry, progress: bool) -> list[dic
                     "tokens_per_s": tokens / sum(r["tokens_per_step"] * bs * a.steps /
                                                  r["tokens_per_s"] for r in runs)})
     return out
-
-
-def best_budgets(tuned: list[dict[str, Any]]) -> dict[bool, dict[int, int]]:
-    """The budget of the most tokens per second at each (sampling, batch size)."""
-    best: dict[tuple[bool, int], dict[str, Any]] = {}
-    for m in tuned:
-        k = (m["sample"], m["batch_size"])
-        if k not in best or m["tokens_per_s"] > best[k]["tokens_per_s"]:
-            best[k] = m
-    return {s: {bs: m["budget"] for (s2, bs), m in sorted(best.items()) if s2 == s}
-            for s in (False, True)}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -83,3 +83,40 @@ def test_kimi_k2_fp8_step_reads_only_the_routed_experts(tmp_path):
         need = non_expert + 60 * min(384, tokens * 8) * per_expert + 4096 * r["kv_bytes_per_token"]
         assert need <= rows[mode]["bytes"] <= 1.5 * need, mode
     assert rows["tree"]["peak_activation_bytes"] < 1e9
+
+
+def test_tune_writes_the_policy_its_estimates_imply(tmp_path, capsys):
+    """`--cost --tune` at K2.5's sizes: budget 0 (one token a step) is among the rows, each row's
+    tokens/s is its accepted length times the batch over its step time, and the table written
+    (which the engine reads back) holds the best budget of each (mode, batch size)."""
+    from engine.policy import load_budgets
+
+    out = tmp_path / "budgets.toml"
+    r = _plan(tmp_path, "--model", str(CONFIGS / "kimi-k2.5-text"), "--draft",
+              str(CONFIGS / "kimi-k2.5-dflash"), "--tp", "8", "--cost", "--batch-sizes", "1,64",
+              "--budgets", "8", "--tune", "--accept-lens", "4:3.0,16:6.0",
+              "--sampled-accept-lens", "4:1.01,16:1.02", "--policy-out", str(out))
+    rows = r["tune"]
+    assert {(m["sample"], m["batch_size"], m["budget"]) for m in rows} == {
+        (s, bs, b) for s in (False, True) for bs in (1, 64) for b in (0, 4, 16)}
+    for m in rows:
+        assert m["tokens_per_s"] == pytest.approx(m["accept"] * m["batch_size"] * 1e3
+                                                  / m["step_ms"])
+        assert m["accept"] == {0: 1.0, 4: 3.0 if not m["sample"] else 1.01,
+                               16: 6.0 if not m["sample"] else 1.02}[m["budget"]]
+    best = {(m["sample"], m["batch_size"]): max(
+        (x for x in rows if (x["sample"], x["batch_size"]) == (m["sample"], m["batch_size"])),
+        key=lambda x: x["tokens_per_s"])["budget"] for m in rows}
+    assert load_budgets(out) == {s: {bs: best[(s, bs)] for bs in (1, 64)} for s in (False, True)}
+    # drafts that are hardly ever accepted do not pay for their step
+    assert load_budgets(out)[True] == {1: 0, 64: 0}
+    assert "estimated" in out.read_text() and str(out) in capsys.readouterr().err
+
+
+def test_tune_needs_the_accepted_lengths(capsys):
+    with pytest.raises(SystemExit):
+        plan.main(["--model", str(CONFIGS / "kimi-k2.5-text"), "--cost", "--tune"])
+    assert "--accept-lens" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        plan.main(["--model", str(CONFIGS / "kimi-k2.5-text"), "--accept-lens", "4:9.0"])
+    assert "between 1 and budget + 1" in capsys.readouterr().err
