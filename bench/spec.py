@@ -7,9 +7,11 @@ bundled model, never trained on), greedy at batch size 1 by default, runs our `a
 `tree` at each budget, one sampled `tree` run (temperature 0.7, budget 16) for its accepted
 length beside the perfect-drafter ceiling at that budget and temperature (`perfect_ceiling`),
 and, as peers on the same checkpoint, transformers' greedy `generate` and its prompt-lookup
-speculative decoding. `--compile` runs our engines' compiled step. Every engine is loaded once;
-then `--rounds` passes run all of them in turn (so a slow spell of a shared machine hits each
-alike), and each reports its median pass. Prints tokens/s with the ratio to our `ar`, mean
+speculative decoding; then the default budget policy (`policy`: each step's budget from the
+shipped table, down to plain decoding) greedy and sampled, each against `ar` at the same
+temperature (`--policy-only` runs just those). `--compile` runs our engines' compiled step.
+Every engine is loaded once; then `--rounds` passes run all of them in turn (so a slow spell of
+a shared machine hits each alike), and each reports its median pass. Prints tokens/s with the ratio to our `ar`, mean
 accepted length (tokens per step, bonus included) and time per phase; writes JSON and PNG plots
 under `runs/bench/`. `--random` uses a tiny random target and drafter instead (whose drafts are
 rarely accepted: the numbers then show the step's overhead, not a speed-up).
@@ -38,14 +40,15 @@ PHASES = ("draft", "build", "verify", "decide", "commit", "step", "host", "prefi
 Runner = Callable[[], dict[str, Any]]
 
 
-def ours(model: Path, draft: Path | None, mode: str, budget: int, prompts: list[list[int]],
-         params: SamplingParams, batch: int, compile: bool = False) -> Runner:
+def ours(model: Path, draft: Path | None, mode: str, budget: int | None,
+         prompts: list[list[int]], params: SamplingParams, batch: int, compile: bool = False
+         ) -> Runner:
     """Loads one engine (warmed up; compiled with `compile`) and returns a function that runs
-    every prompt once."""
+    every prompt once. A tree of budget None follows the default budget policy."""
     llm = LLM(model, draft if mode != "ar" else None, mode=mode, budget=budget,
               max_batch_size=batch, progress=compile, compile="on" if compile else "off")
-    llm.generate(prompts[:1], params)  # warm-up
-    name = f"tree-{budget}" if mode == "tree" else mode
+    llm.generate(prompts[:batch], [params] * min(batch, len(prompts)))  # warm-up
+    name = mode if mode != "tree" else f"tree-{budget}" if budget is not None else "policy"
     if not params.greedy:
         name += f" T={params.temperature:g}"
 
@@ -159,6 +162,8 @@ def main(argv: list[str] | None = None) -> None:
                     help="skip the transformers rows and the perfect-drafter ceiling (its "
                          "conditionals come from transformers)")
     ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--policy-only", action="store_true",
+                    help="only ar and the default budget policy (greedy and sampled)")
     ap.add_argument("--rounds", type=int, default=3,
                     help="timed passes over the prompts, every run interleaved in each round; "
                          "each run reports its median round")
@@ -205,12 +210,16 @@ def _bench(a: argparse.Namespace) -> None:
           f"{a.batch}, {torch.get_num_threads()} threads, "
           f"{'compiled' if a.compile else 'eager'} steps", flush=True)
     greedy = SamplingParams(max_new_tokens=a.max_new_tokens, ignore_eos=True, seed=a.seed)
-    runs: list[tuple[str, int, SamplingParams]] = [("ar", 1, greedy), ("chain", 1, greedy)]
-    runs += [("tree", b, greedy) for b in a.budgets]
+    hot = SamplingParams(temperature=a.sample_temperature, max_new_tokens=a.max_new_tokens,
+                         ignore_eos=True, seed=a.seed)
+    runs: list[tuple[str, int | None, SamplingParams]] = [("ar", None, greedy)]
+    if not a.policy_only:
+        runs += [("chain", None, greedy), *(("tree", b, greedy) for b in a.budgets)]
+        if a.sample_temperature > 0:
+            runs.append(("tree", 16, hot))
+    runs.append(("tree", None, greedy))
     if a.sample_temperature > 0:
-        hot = SamplingParams(temperature=a.sample_temperature, max_new_tokens=a.max_new_tokens,
-                             ignore_eos=True, seed=a.seed)
-        runs.append(("tree", 16, hot))
+        runs += [("ar", None, hot), ("tree", None, hot)]
     if a.rounds < 1:
         raise SystemExit(f"--rounds must be >= 1, got {a.rounds}")
     runners: list[Runner] = [ours(model, draft, m, b, prompts, p, a.batch, a.compile)
@@ -227,14 +236,18 @@ def _bench(a: argparse.Namespace) -> None:
     rows = [median_round(res) for res in results]
     ar = rows[0]
     for r in rows:
-        r["speedup_vs_ar"] = r["tokens_per_s"] / ar["tokens_per_s"]
+        # sampled rows against sampled ar: same seeds, same distribution, not the same tokens
+        base = next((x for x in rows if x["mode"] == "ar" and
+                     x["temperature"] == r["temperature"]), ar)
+        r["speedup_vs_ar"] = r["tokens_per_s"] / base["tokens_per_s"]
         r["same_as_ar"] = sum(o == g for o, g in zip(r["outputs"], ar["outputs"]))
         r["accept"] = f"{r['mean_accept_len']:.2f}" if r["mean_accept_len"] else "-"
         steps = r["steps"] or 0
         for k in PHASES:
             t = r["phase_seconds"].get(k, 0.0)
             r[f"ms_{k}"] = 1000 * t / steps if steps else None  # printed as "-"
-    trees = [r for r in rows if r["mode"] == "tree" and r["temperature"] == 0]
+    trees = [r for r in rows if r["mode"] == "tree" and r["temperature"] == 0
+             and r["budget"] is not None]
     hf = next((r for r in rows if r["mode"] == "hf-generate"), None)
     best = max(trees, key=lambda r: r["tokens_per_s"]) if trees else None
     print(table(rows, [("name", "run", "s"), ("tokens_per_s", "tok/s", ".1f"),
@@ -247,17 +260,20 @@ def _bench(a: argparse.Namespace) -> None:
                        ("ms_prefill+sched", "prefill", ".2f")]))
     print("(phase columns: milliseconds per step; '= ar': outputs identical to our ar of "
           f"{len(prompts)})")
-    summary: dict[str, Any] = {}
+    summary: dict[str, Any] = {
+        f"policy_vs_ar{' T=%g' % r['temperature'] if r['temperature'] else ''}":
+        r["speedup_vs_ar"] for r in rows if r["name"].startswith("policy")}
     if best is not None:
-        summary = {"best_tree": best["name"], "best_vs_ar": best["speedup_vs_ar"]}
+        summary.update(best_tree=best["name"], best_vs_ar=best["speedup_vs_ar"])
         if hf is not None:
             summary["best_vs_hf_generate"] = best["tokens_per_s"] / hf["tokens_per_s"]
         t16 = next((r for r in trees if r["budget"] == 16), None)
-        chain = next(r for r in rows if r["mode"] == "chain")
+        chain = next(r for r in rows if r["mode"] == "chain")  # runs whenever trees do
         if t16 is not None:
             summary["accept_tree16"] = t16["mean_accept_len"]
             summary["accept_tree16_vs_chain"] = t16["mean_accept_len"] / chain["mean_accept_len"]
-        hot = next((r for r in rows if r["mode"] == "tree" and r["temperature"] > 0), None)
+        hot = next((r for r in rows if r["mode"] == "tree" and r["temperature"] > 0
+                    and r["budget"] == 16), None)
         if hot is not None:
             summary["accept_tree16_sampled"] = hot["mean_accept_len"]
             cap = None if a.no_transformers else perfect_ceiling(
@@ -265,19 +281,22 @@ def _bench(a: argparse.Namespace) -> None:
             if cap is not None:
                 summary["ceiling_tree16_sampled"] = cap
                 summary["sampled_vs_ceiling"] = hot["mean_accept_len"] / cap
-        print("  ".join(f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}"
-                        for k, v in summary.items()))
+    print("  ".join(f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}"
+                    for k, v in summary.items()))
 
     def plot(fig):
         ax1, ax2 = fig.add_subplot(1, 2, 1), fig.add_subplot(1, 2, 2)
         xs = [r["budget"] for r in trees]
         ax1.plot(xs, [r["speedup_vs_ar"] for r in trees], "o-", label="tree")
-        ax1.axhline(rows[1]["speedup_vs_ar"], ls="--", color="gray", label="chain")
+        for r in rows:
+            if r["mode"] == "chain":
+                ax1.axhline(r["speedup_vs_ar"], ls="--", color="gray", label="chain")
         ax1.axhline(1.0, ls=":", color="black", label="ar")
         if hf is not None:
             ax1.axhline(hf["speedup_vs_ar"], ls="-.", color="tab:green",
                         label="transformers generate")
-        ax1.set_xscale("log", base=2)
+        if xs:
+            ax1.set_xscale("log", base=2)
         ax1.set_xlabel("tree budget")
         ax1.set_ylabel("tokens/s vs ar")
         ax1b = ax1.twinx()

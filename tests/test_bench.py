@@ -17,14 +17,30 @@ def test_bench_spec_random_pair(tmp_path: Path) -> None:
                "--rounds", "2", "--no-transformers", "--out", str(tmp_path)])
     data = json.loads((tmp_path / "spec.json").read_text())
     names = [r["name"] for r in data["runs"]]
-    assert names == ["ar", "chain", "tree-2", "tree-4", "tree-16 T=0.7"]
+    assert names == ["ar", "chain", "tree-2", "tree-4", "tree-16 T=0.7", "policy", "ar T=0.7",
+                     "policy T=0.7"]
+    runs = {r["name"]: r for r in data["runs"]}
     for r in data["runs"]:
         assert len(r["tokens_per_s_rounds"]) == 2
         assert r["tokens_per_s"] in r["tokens_per_s_rounds"]
         assert r["tokens"] == 2 * 6
-    for r in data["runs"][:4]:
-        assert r["same_as_ar"] == 2
+        if r["temperature"] == 0:
+            assert r["same_as_ar"] == 2
+    # sampled runs are measured against sampled ar
+    hot = runs["policy T=0.7"]
+    assert hot["speedup_vs_ar"] == pytest.approx(hot["tokens_per_s"] /
+                                                 runs["ar T=0.7"]["tokens_per_s"])
+    assert data["summary"]["policy_vs_ar T=0.7"] == hot["speedup_vs_ar"]
     assert (tmp_path / "spec.png").stat().st_size > 0
+
+
+def test_bench_spec_policy_only(tmp_path: Path) -> None:
+    spec.main(["--random", "--policy-only", "--batch", "2", "--prompts", "3",
+               "--max-new-tokens", "4", "--rounds", "1", "--no-transformers", "--out",
+               str(tmp_path)])
+    data = json.loads((tmp_path / "spec.json").read_text())
+    assert [r["name"] for r in data["runs"]] == ["ar", "policy", "ar T=0.7", "policy T=0.7"]
+    assert set(data["summary"]) == {"policy_vs_ar", "policy_vs_ar T=0.7"}
 
 
 def test_perfect_ceiling_bounds(tmp_path: Path) -> None:
