@@ -16,6 +16,7 @@ class Request:
     output_ids: list[int] = field(default_factory=list)
     pages: list[int] = field(default_factory=list)
     cache_len: int = 0  # tokens whose KV is committed in the cache
+    fed: int = 0  # of those, the tokens whose drafter context is in the cache too
     num_steps: int = 0
     accept_lengths: list[int] = field(default_factory=list)  # tokens emitted per step
     finish_reason: str | None = None
@@ -41,7 +42,8 @@ class Request:
         """The same tokens, pages and cache length, with the coin stream restarted from the
         seed (so two runs from one state draw equal coins)."""
         c = Request(self.rid, list(self.prompt_ids), self.params)
-        c.output_ids, c.pages, c.cache_len = list(self.output_ids), list(self.pages), self.cache_len
+        c.output_ids, c.pages = list(self.output_ids), list(self.pages)
+        c.cache_len, c.fed = self.cache_len, self.fed
         return c
 
     def coins(self, n: int) -> list[float]:

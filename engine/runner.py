@@ -21,7 +21,7 @@ import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -31,16 +31,17 @@ from torch import Tensor
 from engine.config import SamplingParams
 from engine.kv_cache import DUMMY_PAGE, KVPool
 from engine.policy import budgets_for_sizes
-from engine.spec import PADDING, Models, StepBuffers, StepShape, prefill, spec_step
+from engine.spec import PADDING, Models, StepBuffers, StepShape, catch_up, prefill, spec_step
 from ops.sampling import row_promises, sample_from_probs, target_probs
 
 # Called before every step and every capture, outside the graph, with the host copies of the
 # page table `[bs, W]` and context lengths `[bs]` the step is about to read (a kernel backend
 # plans its metadata from them here, without a device sync).
 Planner = Callable[[Tensor, Tensor, int], None]
-# A step is "greedy" (no row samples), "sampled" (at least half the rows sample: the sampled
-# budget) or "mixed" (a few rows sample: the sampling decide over the greedy budget's tree, since
-# most rows accept greedily). Kinds whose shapes agree share one graph.
+# A step is "greedy" (no row samples), "sampled" (most rows sample: the sampled budget) or
+# "mixed" (half the rows or fewer sample: the sampling decide over the greedy budget's tree, since
+# a greedy row's accepted drafts outweigh a sampled row's). Kinds whose shapes agree share one
+# graph.
 KINDS = ("greedy", "mixed", "sampled")
 log = logging.getLogger("engine.runner")
 
@@ -49,13 +50,16 @@ log = logging.getLogger("engine.runner")
 class StepInputs:
     """One step's inputs for `b` requests, as host values. Each row owns pages up to
     `cache_len + S` (S: the most tokens a step emits) and brings `coins_per_row(b)` uniforms
-    from its own stream (one per tree node, then one for the bonus token; zeros when greedy)."""
+    from its own stream (one per tree node, then one for the bonus token; zeros when greedy).
+    `lag` (for a step that `drafts`; empty: none) holds each row's last committed tokens whose
+    drafter context plain-decoding steps left out; the step catches them up first."""
 
     anchor: list[int]
     cache_len: list[int]
     pages: list[list[int]]
     params: list[SamplingParams]
     coins: list[list[float]]
+    lag: list[list[int]] = field(default_factory=list)
 
 
 @dataclass
@@ -179,9 +183,13 @@ class StepGraphRunner:
         size = self.padded_size(b)
         return max(self.shapes[(size, k)].num_nodes for k in ("mixed", "sampled")) + 1
 
+    def drafts(self, b: int, params: Sequence[SamplingParams]) -> bool:
+        """Whether a step of these `b` rows drafts (and so feeds the drafter's cache)."""
+        return self.shapes[(self.padded_size(b), self.kind(params))].drafts
+
     def kind(self, params: Sequence[SamplingParams]) -> str:
         sampled = sum(not p.greedy for p in params)
-        return "greedy" if not sampled else "sampled" if 2 * sampled >= len(params) else "mixed"
+        return "greedy" if not sampled else "sampled" if 2 * sampled > len(params) else "mixed"
 
     def padded_size(self, b: int) -> int:
         for s in self.capture_sizes:
@@ -261,13 +269,13 @@ class StepGraphRunner:
         from tqdm import tqdm
 
         # A sampled step's promises come from its rows (`load`): warm up untruncated samplers
-        # alone, and beside greedy rows (which takes two rows; a mixed batch takes three).
+        # alone, and beside greedy rows (a mixed batch takes two rows; a sampled one three).
         alone = {"filtered": False, "topk_rows": 0, "sort_rows": 0}
         beside = {"topk_rows": 0, "sort_rows": 0}
         todo = list(dict.fromkeys(
             (bs, replace(self.shapes[(bs, kind)], **promise)) for bs in self.capture_sizes
             for kind, promise, rows in (("greedy", {}, 1), ("sampled", alone, 1),
-                                        ("sampled", beside, 2), ("mixed", beside, 3))
+                                        ("sampled", beside, 3), ("mixed", beside, 2))
             if bs >= rows))
         for bs, shape in tqdm(todo, desc="compiling steps", disable=not progress):
             buf = self.buffers[bs].fit(shape)
@@ -396,6 +404,11 @@ class StepGraphRunner:
         b = len(inp.anchor)
         with self.timer("host"):
             buf, shape, width = self.load(inp, pad)
+        if shape.drafts and any(inp.lag):
+            with self.timer("catch-up"):
+                for toks, n, pages in zip(inp.lag, inp.cache_len, inp.pages):
+                    if toks:
+                        catch_up(self.models, self.pool, toks, n - len(toks), pages)
         self.run_loaded(buf, shape, width)
         with self.timer("host"):
             # NOTE: the only device-to-host copy of a step: the small decision tensors.

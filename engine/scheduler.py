@@ -6,7 +6,9 @@ runs one spec step for the whole running batch, and applies the emitted tokens w
 on the host. Finished requests leave at once and free their pages.
 
 Every model call goes through the runner (`engine.runner.StepGraphRunner`, or anything with its
-`prefill`, `step`, `coins_per_row` and `shape`), which takes host values, not requests.
+`prefill`, `step`, `coins_per_row`, `drafts` and `shape`), which takes host values, not
+requests. A plain-decoding step (budget 0) leaves the drafter's cache behind; the request's next
+drafting step brings it the tokens it missed (`lag`).
 """
 
 from __future__ import annotations
@@ -54,11 +56,15 @@ class StepEvent:
     emitted: int = 0
 
 
-def step_inputs(reqs: Sequence[Request], coins_per_row: int) -> StepInputs:
-    """What a step needs of `reqs`, each drawing `coins_per_row` coins from its stream."""
+def step_inputs(reqs: Sequence[Request], coins_per_row: int, drafts: bool = False
+                ) -> StepInputs:
+    """What a step needs of `reqs`, each drawing `coins_per_row` coins from its stream; a step
+    that `drafts` also takes the committed tokens each drafter cache lacks."""
+    lag = [(r.prompt_ids + r.output_ids)[r.fed:r.cache_len] if r.fed < r.cache_len else []
+           for r in reqs] if drafts else []
     return StepInputs([r.anchor for r in reqs], [r.cache_len for r in reqs],
                       [list(r.pages) for r in reqs], [r.params for r in reqs],
-                      [r.coins(coins_per_row) for r in reqs])
+                      [r.coins(coins_per_row) for r in reqs], lag)
 
 
 class Scheduler:
@@ -118,7 +124,7 @@ class Scheduler:
         if req.pages:
             self.alloc.free(req.pages)
             req.pages = []
-        req.cache_len = 0
+        req.cache_len = req.fed = 0
 
     def _grow(self, req: Request, num_tokens: int) -> None:
         extra = pages_needed(num_tokens, self.page_size) - len(req.pages)
@@ -137,7 +143,7 @@ class Scheduler:
         first = self.runner.prefill(PrefillInputs(
             ctx, list(req.pages), req.params if fresh else None,
             req.coins(1)[0] if fresh else 0.0))
-        req.cache_len = len(ctx)
+        req.cache_len = req.fed = len(ctx)
         return [] if first is None else [first]
 
     # ---- host-side token handling ------------------------------------------------------------
@@ -205,12 +211,15 @@ class Scheduler:
             return events
         # 3. the step
         batch = self.running
+        drafts = self.runner.drafts(len(batch), [r.params for r in batch])
         emitted, accepted = self.runner.step(
-            step_inputs(batch, self.runner.coins_per_row(len(batch))))
+            step_inputs(batch, self.runner.coins_per_row(len(batch)), drafts))
         # 4. apply
         still = []
         for req, toks, acc in zip(self.running, emitted, accepted):
             req.cache_len += acc + 1
+            if drafts:
+                req.fed = req.cache_len
             req.num_steps += 1
             req.accept_lengths.append(acc + 1)
             kept = self._apply(req, toks)

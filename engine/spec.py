@@ -53,9 +53,9 @@ class StepShape:
 
     @property
     def drafts(self) -> bool:
-        """Whether the step runs the drafter. A tree of budget 0 is plain decoding that still
-        hands the target's features to the drafter's cache, so a later step of another batch
-        size (another budget) can draft from the whole context."""
+        """Whether the step runs the drafter and feeds its cache. A tree of budget 0 is plain
+        decoding, costing what `ar` costs: a request's next drafting step (another batch size,
+        another budget) first brings its drafter cache up to date (`catch_up`)."""
         return self.mode == "chain" or self.mode == "tree" and self.budget > 0
 
     @property
@@ -277,7 +277,7 @@ def decide(logits: Tensor, tree: DDTree, buf: StepBuffers, shape: StepShape) -> 
 def commit(models: Models, pool: KVPool, buf: StepBuffers, dec: Decision, aux: Tensor | None,
            shape: StepShape) -> None:
     """Move the root and accepted nodes' latent rows to `cache_len ..`, hand their target
-    features to the drafter's cache, and publish the decision."""
+    features (`aux`, from a drafting step) to the drafter's cache, and publish the decision."""
     bs, S = dec.accept_nodes.shape
     j = torch.arange(S, device=buf.anchor.device)
     keep = j[None, :] <= dec.accept_len[:, None]  # [bs, S]
@@ -318,6 +318,31 @@ def prefill(models: Models, pool: KVPool, ctx: list[int], pages: list[int]) -> T
 
 
 @torch.inference_mode()
+def catch_up(models: Models, pool: KVPool, tokens: Sequence[int], start: int, pages: list[int],
+             chunk: int = 256) -> None:
+    """Write the drafter's context rows of committed `tokens` at positions `start ..`, which
+    plain-decoding steps committed without feeding it: the target's features of those tokens
+    come from a forward over its cached prefix, `chunk` tokens at a time (causal within a
+    chunk). Only the drafter's cache is written, so the target's cache and every token stay
+    as they were. Eager: its length follows the request."""
+    target, drafter = models.target, models.drafter
+    dev = pool.target.device
+    table = torch.tensor(pages, device=dev)[None]
+    slots = table_slots(table, pool.page_size)
+    for a in range(0, len(tokens), chunk):
+        ids = torch.tensor(list(tokens[a:a + chunk]), device=dev)[None]
+        n = ids.shape[1]
+        pos = start + a + torch.arange(n, device=dev)[None]
+        causal = torch.ones(n, n, dtype=torch.bool, device=dev).tril()[None]
+        scratch = torch.empty(target.cfg.num_hidden_layers, 1, n, target.cfg.kv_cache_dim,
+                              dtype=target.lm_head.weight.dtype, device=dev)
+        _, aux = target.verify(ids, pos, pool.target, slots, pos[:, 0], causal, scratch,
+                               models.aux_layers, models.sparse_moe, logits=False)
+        kv = drafter.context_kv(aux[0], pos[0])
+        pool.draft[:, slot_of(table, pos, pool.page_size)[0]] = kv.to(pool.draft.dtype)
+
+
+@torch.inference_mode()
 def spec_step(models: Models, pool: KVPool, buf: StepBuffers, shape: StepShape,
               timer: Timer = _no_timer) -> None:
     """One speculative step for every row of `buf` (padding rows included)."""
@@ -330,7 +355,7 @@ def spec_step(models: Models, pool: KVPool, buf: StepBuffers, shape: StepShape,
     with timer("build"):
         tree = build(draft_logits, buf, shape)
     with timer("verify"):
-        aux_layers = models.aux_layers if shape.mode != "ar" else ()
+        aux_layers = models.aux_layers if shape.drafts else ()
         logits, aux = models.target.verify(
             tree.tokens, tree.positions(buf.cache_len), pool.target, ctx_slots,
             buf.cache_len, tree.visible, buf.tree_kv, aux_layers, models.sparse_moe,

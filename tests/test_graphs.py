@@ -223,10 +223,12 @@ def test_runner_with_budget_policy(models):
     # one set of buffers per size, as wide as its widest shape
     assert runner.buffers[1].coins.shape[1] == 13 and runner.buffers[4].coins.shape[1] == 4
     assert runner.shape.max_emit == max(s.max_emit for s in runner.shapes.values())
-    # a few sampled rows among greedy ones keep the greedy budget; half or more, the sampled one
+    # sampled rows among greedy ones keep the greedy budget up to half the batch; more than
+    # half, the sampled one
     greedy, hot = SamplingParams(), SamplingParams(temperature=0.8)
-    assert [runner.kind(ps) for ps in ([greedy] * 3, [hot] + [greedy] * 3, [hot, greedy])] == [
-        "greedy", "mixed", "sampled"]
+    assert [runner.kind(ps) for ps in ([greedy] * 3, [hot] + [greedy] * 3, [hot, greedy],
+                                       [hot, hot, greedy])] == [
+        "greedy", "mixed", "mixed", "sampled"]
     assert runner.shapes[(4, "mixed")] == StepShape("tree", 3, BLOCK, True)
     assert runner.coins_per_row(3) == 5  # the widest sampling tree at size 4: budget 3
     for sample in (False, True):
@@ -243,10 +245,10 @@ def test_runner_with_budget_policy(models):
                           budgets={False: {1: 9}, True: {1: 9}}).budgets.values()) == {1}
 
 
-def test_budget_zero_is_plain_decoding_that_feeds_the_drafter(models):
-    """A tree of budget 0 emits exactly what `ar` emits, one token a step, and (unlike `ar`)
-    writes the drafter's context rows of every committed token, as a prefill would: a request
-    can draft again when its batch shrinks to a size with a budget."""
+def test_budget_zero_is_plain_decoding_and_the_drafter_catches_up(models):
+    """A tree of budget 0 emits exactly what `ar` emits, one token a step, and writes what `ar`
+    writes (the drafter's cache is left behind); `catch_up` then writes the drafter's context
+    rows of the tokens it missed, as a prefill of the whole sequence would, and nothing else."""
     base = make_pool(models)
     reqs = prefilled(models, base, StepShape("tree", 6, BLOCK, False), PROMPTS, _params(False),
                      steps=4)
@@ -260,20 +262,74 @@ def test_budget_zero_is_plain_decoding_that_feeds_the_drafter(models):
     assert zero.emitted == ar.emitted and {a for acc in zero.accepted for a in acc} == {0}
     real = request_slots(reqs, PAGE)
     torch.testing.assert_close(pool0.target[:, real], pool_ar.target[:, real], **ULPS)
+    torch.testing.assert_close(pool0.draft, pool_ar.draft, rtol=0, atol=0)
+    target_before = pool0.target.clone()
     for r in done:
         ref = make_pool(models)
         spec.prefill(models, ref, r.prompt_ids + r.output_ids[:-1], r.pages)
         slots = request_slots([r], PAGE)[:r.cache_len]
+        missed = slots[len(r.prompt_ids):]
+        assert missed.numel() == 4
+        assert not torch.allclose(pool0.draft[:, missed], ref.draft[:, missed])
+        seq = r.prompt_ids + r.output_ids
+        spec.catch_up(models, pool0, seq[len(r.prompt_ids):r.cache_len], len(r.prompt_ids),
+                      r.pages, chunk=3)  # two chunks
         torch.testing.assert_close(pool0.draft[:, slots], ref.draft[:, slots], **ULPS)
-        fed = slots[len(r.prompt_ids):]
-        assert fed.numel() == 4 and not torch.equal(pool_ar.draft[:, fed], ref.draft[:, fed])
+    torch.testing.assert_close(pool0.target, target_before, rtol=0, atol=0)
 
 
-def test_shipped_budget_policy_reads():
-    from engine.policy import default_policy
+def test_a_request_drafts_again_after_plain_decoding(tmp_path, monkeypatch):
+    """Two requests decode as a pair at budget 0; the longer one then runs alone at a budget,
+    its first drafting step bringing the drafter the tokens the pair committed. Tokens equal
+    AR's, and the drafter's cache holds every committed token's row."""
+    from engine import LLM
 
-    path = default_policy("cpu")  # configs/budgets-cpu.toml, measured
-    assert path is not None
+    target, draft = write_pair(tmp_path)
+    policy = tmp_path / "budgets.toml"
+    write_budgets(policy, {False: {1: 4, 2: 0}})
+    prompts = [[5, 6, 7], list(range(20, 45))]
+    params = [SamplingParams(max_new_tokens=5, ignore_eos=True),
+              SamplingParams(max_new_tokens=14, ignore_eos=True)]
+    ar = LLM(target, mode="ar", max_batch_size=2, progress=False).generate(prompts, params)
+    llm = LLM(target, draft, mode="tree", max_batch_size=2, budget_policy=str(policy),
+              progress=False)
+    lags: list[tuple[int, int]] = []
+    real = spec.catch_up
+
+    def spy(models, pool, tokens, start, pages, chunk=256):
+        lags.append((start, len(tokens)))
+        real(models, pool, tokens, start, pages, chunk)
+
+    monkeypatch.setattr("engine.runner.catch_up", spy)
+    tree = llm.generate(prompts, params)
+    assert [o.token_ids for o in tree] == [o.token_ids for o in ar]
+    # the pair took 4 plain steps after the prefill's first token: the second request's
+    # drafter missed positions 25 .. 28, once
+    assert lags == [(len(prompts[1]), 4)]
+    assert tree[1].accept_lengths[:4] == [1, 1, 1, 1] and len(tree[1].accept_lengths) > 4
+
+
+def test_best_budgets_keep_plain_decoding_unless_a_tree_wins_by_the_margin():
+    from engine.policy import MARGIN, best_budgets
+
+    def row(sample, bs, budget, tps):
+        return {"sample": sample, "batch_size": bs, "budget": budget, "tokens_per_s": tps}
+
+    rows = [row(False, 1, 0, 100.0), row(False, 1, 8, 250.0), row(False, 1, 16, 240.0),
+            row(False, 8, 0, 1000.0), row(False, 8, 4, 1000.0 * (1 + MARGIN) - 1),
+            row(True, 1, 0, 100.0), row(True, 1, 2, 100.0 * (1 + MARGIN) + 1),
+            row(True, 8, 2, 50.0), row(True, 8, 4, 60.0)]  # no budget 0 measured: the best
+    assert best_budgets(rows) == {False: {1: 8, 8: 0}, True: {1: 2, 8: 4}}
+    assert best_budgets(rows, margin=0.0) == {False: {1: 8, 8: 4}, True: {1: 2, 8: 4}}
+
+
+@pytest.mark.parametrize("device,compiled", [("cpu", False), ("cpu", True), ("cuda", False)])
+def test_shipped_budget_policy_reads(device, compiled):
+    from engine.policy import default_policy, policy_path
+
+    # the CPU's tables measured (eager and compiled), CUDA's estimated by graphs.plan --tune
+    path = default_policy(device, compiled)
+    assert path == policy_path(device, compiled)
     policy = load_budgets(path)
     assert policy[False] and policy[True]
     assert all(b >= 0 for t in policy.values() for b in t.values())

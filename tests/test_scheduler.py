@@ -36,6 +36,9 @@ class FakeRunner:
     def coins_per_row(self, b: int) -> int:
         return 5
 
+    def drafts(self, b: int, params: list) -> bool:
+        return True
+
     def prefill(self, inp: PrefillInputs) -> int | None:
         self.prefills.append(inp)
         assert len(inp.pages) * PAGE >= len(inp.tokens) + self.shape.max_emit

@@ -95,6 +95,9 @@ class ScriptedRunner:
     def coins_per_row(self, b: int) -> int:
         return 1
 
+    def drafts(self, b: int, params: list) -> bool:
+        return False
+
     def prefill(self, inp: PrefillInputs) -> int | None:
         assert inp.params is not None, "scripted requests are never preempted"
         it = self.rows[inp.pages[0]] = iter(self.scripts.popleft())

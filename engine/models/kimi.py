@@ -317,8 +317,8 @@ class KimiForCausalLM(nn.Module):
     def verify(
         self, tokens: Tensor, positions: Tensor, kv_cache: Tensor, slots: Tensor,
         ctx_len: Tensor, visible: Tensor, tree_kv_out: Tensor, aux_layers: Sequence[int] = (),
-        sparse_moe: bool = False, prefix: PrefixKernel | None = None,
-    ) -> tuple[Tensor, Tensor | None]:
+        sparse_moe: bool = False, prefix: PrefixKernel | None = None, logits: bool = True,
+    ) -> tuple[Tensor | None, Tensor | None]:
         """Absorbed forward of `Q` query tokens per request against the paged latent cache.
 
         `tokens, positions [bs, Q]`; `kv_cache [layers, num_slots, R + P]`; `slots [bs, C]` maps
@@ -330,7 +330,8 @@ class KimiForCausalLM(nn.Module):
         fixed-shape one over aligned blocks runs; either way every expert on every row when
         that dense pass is cheaper for this many rows of this rank's float bank
         (`ops.moe.dense_is_cheaper`; a quantized bank would dequantize whole). `prefix` a
-        planned prefix-attention kernel (one plan serves every layer).
+        planned prefix-attention kernel (one plan serves every layer). `logits=False` returns
+        no logits and stops after the last aux layer (the features alone).
         """
         moe = "sparse" if sparse_moe else "aligned"
         bank = next((b.mlp.experts for b in self.model.layers if isinstance(b.mlp, MoE)), None)
@@ -346,9 +347,10 @@ class KimiForCausalLM(nn.Module):
 
         h = self.model.embed_tokens(tokens)
         aux = []
-        for i, layer in enumerate(self.model.layers):
+        last = len(self.model.layers) if logits else max(aux_layers) + 1
+        for i, layer in enumerate(self.model.layers[:last]):
             h, _ = layer(h, attend, moe)
             if i in aux_layers:
                 aux.append(h)
-        logits = self.lm_head(self.model.norm(h)).float()
-        return logits, (torch.cat(aux, dim=-1) if aux else None)
+        out = self.lm_head(self.model.norm(h)).float() if logits else None
+        return out, (torch.cat(aux, dim=-1) if aux else None)
