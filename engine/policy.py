@@ -13,8 +13,9 @@ stay fixed. `python -m graphs.profile --tune` measures and writes it:
     1 = 8
 
 Each captured size takes the entry of the largest listed size not above it (sizes below every
-entry take the smallest entry). `configs/budgets-cpu.toml`, measured on the bundled pair, is the
-default policy on the CPU; CUDA has none until one is measured there, so it uses `--budget`.
+entry take the smallest entry). `configs/budgets-cpu.toml` (and `-cpu-compiled`), measured on the
+bundled pair, are the CPU's default policies; `configs/budgets-cuda.toml`, estimated at Kimi's
+size by `graphs.plan --cost --tune`, is CUDA's until `graphs.profile --tune` measures one there.
 """
 
 from __future__ import annotations
@@ -92,16 +93,27 @@ def budgets_for_sizes(policy: Mapping[int, int], sizes: Sequence[int]) -> dict[i
     return out
 
 
-def best_budgets(rows: Sequence[Mapping[str, Any]]) -> Policy:
+# A tree must beat plain decoding (budget 0) by this much to be chosen: prompts differ in how
+# well they draft, and a tune's near-tie can be another prompt mix's loss (measured: greedy batch
+# 16, compiled, won 2% in the tune and lost 32% in `bench.spec`'s prompts).
+MARGIN = 0.10
+
+
+def best_budgets(rows: Sequence[Mapping[str, Any]], margin: float = MARGIN) -> Policy:
     """The budget of the most tokens per second at each (sampling, batch size), from rows with
-    `sample`, `batch_size`, `budget` and `tokens_per_s`."""
+    `sample`, `batch_size`, `budget` and `tokens_per_s`; budget 0 unless a tree beats it by
+    `margin`."""
     best: dict[tuple[bool, int], Mapping[str, Any]] = {}
+    plain: dict[tuple[bool, int], float] = {}
     for m in rows:
         k = (m["sample"], m["batch_size"])
+        if m["budget"] == 0:
+            plain[k] = m["tokens_per_s"]
         if k not in best or m["tokens_per_s"] > best[k]["tokens_per_s"]:
             best[k] = m
-    return {s: {bs: m["budget"] for (s2, bs), m in sorted(best.items()) if s2 == s}
-            for s in (False, True)}
+    pick = {k: 0 if k in plain and m["tokens_per_s"] <= (1 + margin) * plain[k] else m["budget"]
+            for k, m in best.items()}
+    return {s: {bs: b for (s2, bs), b in sorted(pick.items()) if s2 == s} for s in (False, True)}
 
 
 def write_budgets(path: str | Path, policy: Mapping[bool, Mapping[int, int]],

@@ -89,7 +89,7 @@ def test_tune_writes_the_policy_its_estimates_imply(tmp_path, capsys):
     """`--cost --tune` at K2.5's sizes: budget 0 (one token a step) is among the rows, each row's
     tokens/s is its accepted length times the batch over its step time, and the table written
     (which the engine reads back) holds the best budget of each (mode, batch size)."""
-    from engine.policy import load_budgets
+    from engine.policy import best_budgets, load_budgets
 
     out = tmp_path / "budgets.toml"
     r = _plan(tmp_path, "--model", str(CONFIGS / "kimi-k2.5-text"), "--draft",
@@ -104,10 +104,7 @@ def test_tune_writes_the_policy_its_estimates_imply(tmp_path, capsys):
                                                   / m["step_ms"])
         assert m["accept"] == {0: 1.0, 4: 3.0 if not m["sample"] else 1.01,
                                16: 6.0 if not m["sample"] else 1.02}[m["budget"]]
-    best = {(m["sample"], m["batch_size"]): max(
-        (x for x in rows if (x["sample"], x["batch_size"]) == (m["sample"], m["batch_size"])),
-        key=lambda x: x["tokens_per_s"])["budget"] for m in rows}
-    assert load_budgets(out) == {s: {bs: best[(s, bs)] for bs in (1, 64)} for s in (False, True)}
+    assert load_budgets(out) == best_budgets(rows)
     # drafts that are hardly ever accepted do not pay for their step
     assert load_budgets(out)[True] == {1: 0, 64: 0}
     assert "estimated" in out.read_text() and str(out) in capsys.readouterr().err
