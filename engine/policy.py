@@ -1,8 +1,8 @@
 """Tree budget per captured batch size and sampling mode: a small TOML file, read with `tomllib`.
 
 Small batches are draft-bound and afford big trees; large ones are verify-bound and want small
-ones, down to 0: plain decoding through the same step (the drafter's cache is still fed, so a
-request can draft again when the batch shrinks). Sampled steps accept fewer drafts than greedy
+ones, down to 0: plain decoding through the same step at AR's cost (a request drafts again when
+the batch shrinks, its drafter cache caught up first). Sampled steps accept fewer drafts than greedy
 ones, so they have their own table. Every graph of one (size, mode) has one budget, so its shapes
 stay fixed. `python -m graphs.profile --tune` measures and writes it:
 
@@ -114,6 +114,16 @@ def best_budgets(rows: Sequence[Mapping[str, Any]], margin: float = MARGIN) -> P
     pick = {k: 0 if k in plain and m["tokens_per_s"] <= (1 + margin) * plain[k] else m["budget"]
             for k, m in best.items()}
     return {s: {bs: b for (s2, bs), b in sorted(pick.items()) if s2 == s} for s in (False, True)}
+
+
+def write_tuned(path: str | Path, rows: Sequence[Mapping[str, Any]], note: str,
+                source: str = "measured") -> dict[str, Any]:
+    """Choose (`best_budgets`) and write the policy of a tune's `rows`; returns the record of
+    both for a JSON report: `{"tune": rows, "policy": {"path": ..., "budgets": ...}}`."""
+    policy = best_budgets(rows)
+    p = write_budgets(path, policy, rows, note=note, source=source)
+    return {"tune": list(rows), "policy": {"path": str(p), "budgets": {
+        TABLES[k]: v for k, v in policy.items()}}}
 
 
 def write_budgets(path: str | Path, policy: Mapping[bool, Mapping[int, int]],

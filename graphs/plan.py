@@ -58,7 +58,7 @@ from engine.kv_cache import KVPool, pages_needed
 from engine.models.dflash import DFlashDrafter
 from engine.models.kimi import KimiForCausalLM
 from engine.models.layers import FP8, cast_parameters, checkpoint_tensors
-from engine.policy import TABLES, best_budgets, policy_path, write_budgets
+from engine.policy import policy_path, write_tuned
 from engine.runner import default_capture_sizes
 from engine.spec import Models, StepBuffers, StepShape, spec_step
 from ops.moe import moe_bytes, moe_flops
@@ -460,18 +460,15 @@ def main(argv: list[str] | None = None) -> int:
             "no --draft: tree rows cost the target's verify, build, decide and commit alone"
         print(cost_table(result, gpus))
     if a.tune:
-        rows = tune(a, models, dtype, gpus[0])
-        policy = best_budgets(rows)
-        path = write_budgets(a.policy_out or policy_path("cuda"), policy, rows, source=(
-            "estimated (roofline step time)"), note=(
-            f"estimated by `python -m graphs.plan --cost --tune`, not measured: {a.model.name} "
-            f"with {a.draft.name} at --tp {a.tp} on {gpus[0]}, {a.dtype}, context {a.context} "
-            f"tokens a row;\naccepted lengths given: greedy {a.accept_lens}, sampled "
-            f"{a.sampled_accept_lens}. Measure on a GPU with `python -m graphs.profile --tune`."))
-        result["tune"] = rows
-        result["policy"] = {"path": str(path), "budgets": {
-            TABLES[k]: v for k, v in policy.items()}}
-        print(f"wrote {path}", file=sys.stderr)
+        result.update(write_tuned(
+            a.policy_out or policy_path("cuda"), tune(a, models, dtype, gpus[0]),
+            source="estimated (roofline step time)", note=(
+                f"estimated by `python -m graphs.plan --cost --tune`, not measured: "
+                f"{a.model.name} with {a.draft.name} at --tp {a.tp} on {gpus[0]}, {a.dtype}, "
+                f"context {a.context} tokens a row;\naccepted lengths given: greedy "
+                f"{a.accept_lens}, sampled {a.sampled_accept_lens}. Measure on a GPU with "
+                f"`python -m graphs.profile --tune`.")))
+        print(f"wrote {result['policy']['path']}", file=sys.stderr)
     if a.json:
         a.json.parent.mkdir(parents=True, exist_ok=True)
         a.json.write_text(json.dumps(result, indent=2) + "\n")

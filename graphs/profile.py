@@ -48,7 +48,7 @@ from engine.config import (
 from engine.dist import Group
 from engine.kv_cache import pages_needed
 from engine.llm import compiles, load_models, model_pair, resolve_device
-from engine.policy import TABLES, best_budgets, policy_path, write_budgets
+from engine.policy import policy_path, write_tuned
 from engine.request import Request
 from engine.runner import CaptureError, PhaseTimer, StepGraphRunner
 from engine.scheduler import Scheduler, step_inputs
@@ -369,17 +369,12 @@ def _profile(a: argparse.Namespace, bench: Bench, device: torch.device, dtype: t
     if bench.models.tp is not None:
         result["tp"] = bench.models.tp.world
     if a.tune:
-        policy = best_budgets(tuned)
         compiled = graphs and device.type == "cpu"
-        path = write_budgets(a.policy_out or policy_path(device.type, compiled), policy,
-                             tuned, note=(
+        result.update(write_tuned(a.policy_out or policy_path(device.type, compiled), tuned, note=(
             f"model {bench.model_dir.name}, drafter {bench.draft_dir and bench.draft_dir.name}, "
             f"{device} {dtype}, "
             f"{torch.get_num_threads()} threads, {_step_kind(device, graphs)} step time, "
-            f"prompts of <= {a.prompt_len} tokens, sampled at T = {a.tune_temperature}"))
-        result["tune"] = tuned
-        result["policy"] = {"path": str(path), "budgets": {
-            TABLES[k]: v for k, v in policy.items()}}
+            f"prompts of <= {a.prompt_len} tokens, sampled at T = {a.tune_temperature}")))
     out = Path(a.output)
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
