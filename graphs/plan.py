@@ -24,11 +24,11 @@ over the link, plus a fixed latency each), and the tree/AR speed-up a mean accep
 
 Tune (`--cost --tune`): the budget policy (`engine.policy`) these costs imply until one is
 measured on a GPU (`graphs.profile --tune` there): for greedy and sampled steps at each batch
-size, the budget (0: plain decoding, the drafter fed) of the most tokens per second on the first
-`--gpus` entry, from its roofline step time and the mean tokens a step emits at that budget
-(`--accept-lens`, `--sampled-accept-lens`: measured elsewhere, say by `bench.spec` or
-`graphs.profile --tune` on a smaller pair). Written to `configs/budgets-cuda.toml`, the CUDA
-default, unless `--policy-out` says where.
+size, the budget of the most tokens per second on the first `--gpus` entry (0, plain decoding,
+unless a tree wins by `engine.policy.MARGIN`), from its roofline step time and the mean tokens
+a step emits at that budget (`--accept-lens`, `--sampled-accept-lens`: measured elsewhere, say
+by `bench.spec` or `graphs.profile --tune` on a smaller pair). Written to
+`configs/budgets-cuda.toml`, the CUDA default, unless `--policy-out` says where.
 """
 
 from __future__ import annotations
