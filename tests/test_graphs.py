@@ -280,8 +280,8 @@ def test_budget_zero_is_plain_decoding_and_the_drafter_catches_up(models):
 
 def test_a_request_drafts_again_after_plain_decoding(tmp_path, monkeypatch):
     """Two requests decode as a pair at budget 0; the longer one then runs alone at a budget,
-    its first drafting step bringing the drafter the tokens the pair committed. Tokens equal
-    AR's, and the drafter's cache holds every committed token's row."""
+    its first drafting step bringing the drafter the tokens the pair committed: one catch-up,
+    over exactly that span, and tokens equal to AR's."""
     from engine import LLM
 
     target, draft = write_pair(tmp_path)
