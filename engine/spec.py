@@ -274,6 +274,14 @@ def decide(logits: Tensor, tree: DDTree, buf: StepBuffers, shape: StepShape) -> 
                        buf.final_coins, max_accept=L)
 
 
+def feed_drafter(drafter: DFlashDrafter, pool: KVPool, feats: Tensor, positions: Tensor,
+                 slots: Tensor) -> None:
+    """Write the drafter's context rows of committed tokens into its cache: target features
+    `feats [..., n * H]` at `positions [...]`, to the flat cache `slots` (one per position)."""
+    kv = drafter.context_kv(feats, positions)  # [draft_layers, ..., kv_dim]
+    pool.draft[:, slots] = kv.reshape(kv.shape[0], -1, kv.shape[-1]).to(pool.draft.dtype)
+
+
 def commit(models: Models, pool: KVPool, buf: StepBuffers, dec: Decision, aux: Tensor | None,
            shape: StepShape) -> None:
     """Move the root and accepted nodes' latent rows to `cache_len ..`, hand their target
@@ -289,8 +297,7 @@ def commit(models: Models, pool: KVPool, buf: StepBuffers, dec: Decision, aux: T
     pool.target[:, dest] = rows.reshape(rows.shape[0], bs * S, -1)
     if aux is not None and models.drafter is not None:
         feats = aux.gather(1, node[..., None].expand(-1, -1, aux.shape[-1]))  # [bs, S, nH]
-        kv = models.drafter.context_kv(feats, pos)  # [draft_layers, bs, S, kv_dim]
-        pool.draft[:, dest] = kv.reshape(kv.shape[0], bs * S, -1).to(pool.draft.dtype)
+        feed_drafter(models.drafter, pool, feats, pos, dest)
     buf.emit.copy_(dec.emit)
     buf.accept_len.copy_(dec.accept_len)
     buf.accept_nodes.copy_(dec.accept_nodes)
@@ -312,8 +319,7 @@ def prefill(models: Models, pool: KVPool, ctx: list[int], pages: list[int]) -> T
     slots = slot_of(pt, pos, pool.page_size)[0]
     pool.target[:, slots] = torch.stack([r[0] for r in rows]).to(pool.target.dtype)
     if drafter is not None:
-        kv = drafter.context_kv(aux[0], pos[0])
-        pool.draft[:, slots] = kv.to(pool.draft.dtype)
+        feed_drafter(drafter, pool, aux[0], pos[0], slots)
     return logits
 
 
@@ -338,8 +344,7 @@ def catch_up(models: Models, pool: KVPool, tokens: Sequence[int], start: int, pa
                               dtype=target.lm_head.weight.dtype, device=dev)
         _, aux = target.verify(ids, pos, pool.target, slots, pos[:, 0], causal, scratch,
                                models.aux_layers, models.sparse_moe, logits=False)
-        kv = drafter.context_kv(aux[0], pos[0])
-        pool.draft[:, slot_of(table, pos, pool.page_size)[0]] = kv.to(pool.draft.dtype)
+        feed_drafter(drafter, pool, aux[0], pos[0], slot_of(table, pos, pool.page_size)[0])
 
 
 @torch.inference_mode()
