@@ -183,9 +183,10 @@ class StepGraphRunner:
         size = self.padded_size(b)
         return max(self.shapes[(size, k)].num_nodes for k in ("mixed", "sampled")) + 1
 
-    def drafts(self, b: int, params: Sequence[SamplingParams]) -> bool:
-        """Whether a step of these `b` rows drafts (and so feeds the drafter's cache)."""
-        return self.shapes[(self.padded_size(b), self.kind(params))].drafts
+    def step_shape(self, b: int, params: Sequence[SamplingParams]) -> StepShape:
+        """The shape a step of these `b` rows runs (before its rows' sampling promises): whether
+        it drafts (and so feeds the drafter's cache), and the most it can write (`max_emit`)."""
+        return self.shapes[(self.padded_size(b), self.kind(params))]
 
     def kind(self, params: Sequence[SamplingParams]) -> str:
         sampled = sum(not p.greedy for p in params)

@@ -6,7 +6,7 @@ runs one spec step for the whole running batch, and applies the emitted tokens w
 on the host. Finished requests leave at once and free their pages.
 
 Every model call goes through the runner (`engine.runner.StepGraphRunner`, or anything with its
-`prefill`, `step`, `coins_per_row`, `drafts` and `shape`), which takes host values, not
+`prefill`, `step`, `coins_per_row`, `step_shape` and `shape`), which takes host values, not
 requests. A plain-decoding step (budget 0) leaves the drafter's cache behind; the request's next
 drafting step brings it the tokens it missed (`lag`).
 """
@@ -81,7 +81,9 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
-        # The most a step writes past cache_len: the root plus every accepted node.
+        # The most any step writes past cache_len: the root plus every accepted node. Admission
+        # keeps room for it; each step reserves only what its own shape can write, so a row's
+        # page table (and the context its attention reads) stays as short as the step allows.
         self.step_span = runner.shape.max_emit
 
     # ---- admission -------------------------------------------------------------------------------
@@ -139,7 +141,7 @@ class Scheduler:
         fresh = not req.output_ids
         seq = req.prompt_ids + req.output_ids
         ctx = seq if fresh else seq[:-1]
-        self._grow(req, len(ctx) + self.step_span)
+        self._grow(req, len(ctx))
         first = self.runner.prefill(PrefillInputs(
             ctx, list(req.pages), req.params if fresh else None,
             req.coins(1)[0] if fresh else 0.0))
@@ -171,6 +173,20 @@ class Scheduler:
                 req.finish_reason = "stop"
         return kept
 
+    def _reserve(self, span: int) -> bool:
+        """Pages for `span` tokens past each running request's cache; when the pool runs dry,
+        the newest request goes back to the queue and False is returned."""
+        for req in self.running:
+            try:
+                self._grow(req, req.cache_len + span)
+            except OutOfPages:
+                victim = self.running.pop()
+                self._release(victim)
+                self.waiting.appendleft(victim)
+                self.num_preemptions += 1
+                return False
+        return True
+
     # ---- one engine step -----------------------------------------------------------------------
 
     def step(self) -> list[StepEvent]:
@@ -193,25 +209,16 @@ class Scheduler:
                 events.append(StepEvent(req, kept, False))
         if not self.running:
             return events
-        # 2. pages for everything the step may write; preempt the newest when short
-        i = 0
-        while i < len(self.running):
-            req = self.running[i]
-            try:
-                self._grow(req, req.cache_len + self.step_span)
-                i += 1
-            except OutOfPages:
-                victim = self.running.pop()
-                self._release(victim)
-                self.waiting.appendleft(victim)
-                self.num_preemptions += 1
-                if victim is req:
-                    continue
+        # 2. pages for what this step may write (its shape's span); preempt the newest when
+        # short, and ask again: a smaller batch may take another shape
+        while self.running:
+            shape = self.runner.step_shape(len(self.running), [r.params for r in self.running])
+            if self._reserve(shape.max_emit):
+                break
         if not self.running:
             return events
         # 3. the step
-        batch = self.running
-        drafts = self.runner.drafts(len(batch), [r.params for r in batch])
+        batch, drafts = self.running, shape.drafts
         emitted, accepted = self.runner.step(
             step_inputs(batch, self.runner.coins_per_row(len(batch)), drafts))
         # 4. apply

@@ -21,6 +21,7 @@ EOS = 99
 @dataclass
 class FakeShape:
     max_emit: int
+    drafts: bool = True
 
 
 class FakeRunner:
@@ -36,21 +37,31 @@ class FakeRunner:
     def coins_per_row(self, b: int) -> int:
         return 5
 
-    def drafts(self, b: int, params: list) -> bool:
-        return True
+    def step_shape(self, b: int, params: list) -> FakeShape:
+        return self.shape
 
     def prefill(self, inp: PrefillInputs) -> int | None:
         self.prefills.append(inp)
-        assert len(inp.pages) * PAGE >= len(inp.tokens) + self.shape.max_emit
+        assert len(inp.pages) * PAGE >= len(inp.tokens)
         return None if inp.params is None else inp.tokens[-1] + 1
 
     def step(self, inp: StepInputs) -> tuple[list[list[int]], list[int]]:
         self.steps.append(inp)
+        span = self.step_shape(len(inp.anchor), inp.params).max_emit
         for pages, n in zip(inp.pages, inp.cache_len):
-            assert len(pages) * PAGE >= n + self.shape.max_emit, "a step may write past its pages"
+            assert len(pages) * PAGE >= n + span, "a step may write past its pages"
         assert all(len(c) == 5 for c in inp.coins)
-        emitted = [[a + j for j in range(1, self.emit + 1)] for a in inp.anchor]
-        return emitted, [self.emit - 1] * len(emitted)
+        emit = min(self.emit, span)
+        emitted = [[a + j for j in range(1, emit + 1)] for a in inp.anchor]
+        return emitted, [emit - 1] * len(emitted)
+
+
+class SpanRunner(FakeRunner):
+    """Plain decoding (one token a step, no drafting) while two or more rows run; a lone row
+    drafts and may write 4 tokens a step."""
+
+    def step_shape(self, b: int, params: list) -> FakeShape:
+        return FakeShape(1, drafts=False) if b >= 2 else self.shape
 
 
 def scheduler(runner: FakeRunner, num_pages: int = 64, **kw) -> Scheduler:
@@ -101,6 +112,28 @@ def test_batch_size_limits_admission():
     assert len(s.running) == 2 and len(s.waiting) == 3
     run(s)
     assert max(len(x.anchor) for x in r.steps) == 2
+
+
+def test_each_step_reserves_only_its_own_span():
+    """Pages follow the step's shape, not the widest one: rows of a plain-decoding batch hold
+    pages for one more token (so attention reads no page beyond it); once one finishes, the
+    lone row's drafting step gets room for its 4 tokens."""
+    r = SpanRunner(emit=4, max_emit=4)
+    s = scheduler(r)
+    a, b = req(0, [1] * 7, max_new_tokens=12), req(1, [2] * 7, max_new_tokens=3)
+    s.add(a)
+    s.add(b)
+    run(s)
+    pair = [x for x in r.steps if len(x.anchor) == 2]
+    alone = [x for x in r.steps if len(x.anchor) == 1]
+    assert pair and alone and not any(pair[0].lag)
+    for x in pair:
+        assert [len(p) for p in x.pages] == [-(-(n + 1) // PAGE) for n in x.cache_len]
+    assert len(alone[0].pages[0]) == -(-(alone[0].cache_len[0] + 4) // PAGE)
+    # the first drafting step hands over what the plain steps committed without the drafter
+    assert alone[0].lag == [a.output_ids[:alone[0].cache_len[0] - 7]]
+    assert len(a.output_ids) == 12 and a.output_ids == list(range(2, 14))
+    assert s.alloc.num_free == 63
 
 
 def test_stop_token_and_stop_string():

@@ -78,6 +78,7 @@ TWO_CALLS = (f"Let me check.{SECTION_BEGIN}{_call('get_weather', 0, WEATHER)}"
 @dataclass
 class _Shape:
     max_emit: int = EMIT + 1
+    drafts: bool = False
 
 
 class ScriptedRunner:
@@ -95,8 +96,8 @@ class ScriptedRunner:
     def coins_per_row(self, b: int) -> int:
         return 1
 
-    def drafts(self, b: int, params: list) -> bool:
-        return False
+    def step_shape(self, b: int, params: list) -> _Shape:
+        return self.shape
 
     def prefill(self, inp: PrefillInputs) -> int | None:
         assert inp.params is not None, "scripted requests are never preempted"
