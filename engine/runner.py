@@ -329,7 +329,8 @@ class StepGraphRunner:
         probs = target_probs(logits[:, -1], torch.tensor([float(p.temperature)], device=dev),
                              torch.tensor([top_k], device=dev),
                              torch.tensor([float(top_p)], device=dev),
-                             **row_promises([(top_k, top_p)], logits.shape[-1]))
+                             **row_promises([(top_k, top_p)], logits.shape[-1]),
+                             sort_if_needed=True)
         return int(sample_from_probs(probs, torch.tensor([inp.coin], device=dev))[0])
 
     def load(self, inp: StepInputs, pad: bool = False) -> tuple[StepBuffers, StepShape, int]:
@@ -346,13 +347,13 @@ class StepGraphRunner:
         cuts = [_cut(x) for x in inp.params]
         if shape.sample and not self.use_graphs:
             # Truncate only the rows that ask for it, and sort the vocabulary only for rows
-            # whose cut may not fit in a bounded top-k; a compiled step promises for every row
-            # or none, so few variants exist.
+            # whose cut may not fit in a bounded top-k (eagerly, only when it does not); a
+            # compiled step promises for every row or none, so few variants exist.
             vocab = self.models.target.cfg.vocab_size
             promise = row_promises(cuts, vocab)
             if self.compile:
                 promise = {k: size if v and k != "filtered" else v for k, v in promise.items()}
-            shape = replace(shape, **promise)
+            shape = replace(shape, **promise, sort_if_needed=not self.compile)
         width = self.max_pages
         if not self.use_graphs:
             # Gather only as much context as this batch has (a captured graph needs the full

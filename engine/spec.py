@@ -44,6 +44,8 @@ class StepShape:
     # `ops.sampling.row_path`, eager only); None: every row, which a captured graph needs.
     topk_rows: int | None = None
     sort_rows: int | None = None
+    # Eager only: sort those rows only when the bounded cut is not exact (a host read).
+    sort_if_needed: bool = False
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -269,7 +271,8 @@ def decide(logits: Tensor, tree: DDTree, buf: StepBuffers, shape: StepShape) -> 
         return tree_greedy(tree.tokens, tree.next_token, tree.next_sibling, logits.argmax(-1),
                            max_accept=L)
     probs = target_probs(logits, buf.temperature, buf.top_k, buf.top_p, shape.filtered,
-                         topk_rows=shape.topk_rows, sort_rows=shape.sort_rows)
+                         topk_rows=shape.topk_rows, sort_rows=shape.sort_rows,
+                         sort_if_needed=shape.sort_if_needed)
     return tree_sample(tree.tokens, tree.next_token, tree.next_sibling, probs, buf.coins,
                        buf.final_coins, max_accept=L)
 

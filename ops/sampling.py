@@ -25,7 +25,10 @@ which a captured graph serving any batch needs, and then every row is sorted whe
 runner with graphs can capture one variant per count it wants to serve (e.g. `sort_rows=0` for
 batches without top-p or wide top-k) and pick one on the host. Either way a node's result is the
 bounded one where that is exact and the full sort's elsewhere, so on the CPU it is the same, bit
-for bit, whatever the other rows or the counts.
+for bit, whatever the other rows or the counts. An eager caller, for whom reading a flag on the host
+costs nothing, may also pass `sort_if_needed`: the rows that may need the sort run the bounded cut
+first and are sorted only when some node's cut is not exact (a peaked model's nucleus at
+`top_p <= 0.95` nearly always fits), with the same result, bit for bit.
 """
 
 from __future__ import annotations
@@ -142,13 +145,15 @@ def _bounded_cut(top: Tensor, k: Tensor, p: Tensor, total: Tensor,
 
 
 def _rows_probs(probs: Tensor, base: Tensor, k: Tensor, p: Tensor, own: Tensor,
-                rows: Tensor | None, bound: int, sort: bool) -> Tensor:
+                rows: Tensor | None, bound: int, sort: bool, sort_if_needed: bool = False
+                ) -> Tensor:
     """The distributions `[R, ..., V]` of `rows` (`[R]` ids; None: all) of `probs` `[bs, ..., V]`.
 
     Rows without `own` `[bs]` copy `base` `[bs, ..., V]`. The others take the bounded cut over
     their `K = min(bound, V)` most likely tokens, found by `torch.topk`, or with `sort` by a full
     stable sort, whose result then also serves the nodes the bounded cut cannot. Both find the
-    same `K` tokens in the same order, so a node that fits gets the same result from either.
+    same `K` tokens in the same order, so a node that fits gets the same result from either;
+    `sort_if_needed` (eager only: it reads the device) sorts only when some node does not fit.
     """
     vocab = probs.shape[-1]
     K = min(bound, vocab)
@@ -156,30 +161,32 @@ def _rows_probs(probs: Tensor, base: Tensor, k: Tensor, p: Tensor, own: Tensor,
     k, p = _take(k, rows), _take(p, rows)
     total = sub.sum(-1, keepdim=True)
     rest = _per_row(~_take(own, rows), sub)
-    if sort:
-        sorted_p, ids = torch.sort(sub, dim=-1, descending=True, stable=True)
-        vals, fits = _bounded_cut(sorted_p[..., :K].contiguous(), k, p, total, vocab)
-        fits = fits.unsqueeze(-1)
-        full = torch.where(fits, 0.0, _sorted_cut(sorted_p, k, p))
-        full[..., :K] = torch.where(fits, vals, full[..., :K])
-        # ids is a permutation here: every token is written.
-        dense = torch.empty_like(sub).scatter_(-1, ids, full)
-        return torch.where(rest, src, dense)
-    # NOTE: a non-negative fp32 orders like its bit pattern, so (bits, V - 1 - id) is a unique
-    # key whose descending order is the stable descending sort: topk then keeps the lowest ids of
-    # a tie at the cut and returns ties in id order, as the sort does.
-    shift = max(1, (vocab - 1).bit_length())
-    key = sub.view(torch.int32).to(torch.int64).bitwise_left_shift_(shift)
-    key = key.bitwise_or_(torch.arange(vocab - 1, -1, -1, device=sub.device))
-    ids = key.topk(K, dim=-1).indices
-    vals, _ = _bounded_cut(sub.gather(-1, ids), k, p, total, vocab)
-    vals = torch.where(rest, src.gather(-1, ids), vals)
-    return torch.where(rest, src, 0.0).scatter_(-1, ids, vals)
+    if not sort or sort_if_needed:
+        # NOTE: a non-negative fp32 orders like its bit pattern, so (bits, V - 1 - id) is a
+        # unique key whose descending order is the stable descending sort: topk then keeps the
+        # lowest ids of a tie at the cut and returns ties in id order, as the sort does.
+        shift = max(1, (vocab - 1).bit_length())
+        key = sub.view(torch.int32).to(torch.int64).bitwise_left_shift_(shift)
+        key = key.bitwise_or_(torch.arange(vocab - 1, -1, -1, device=sub.device))
+        ids = key.topk(K, dim=-1).indices
+        vals, fits = _bounded_cut(sub.gather(-1, ids), k, p, total, vocab)
+        if not sort or bool((fits | rest[..., 0]).all()):
+            vals = torch.where(rest, src.gather(-1, ids), vals)
+            return torch.where(rest, src, 0.0).scatter_(-1, ids, vals)
+    sorted_p, ids = torch.sort(sub, dim=-1, descending=True, stable=True)
+    vals, fits = _bounded_cut(sorted_p[..., :K].contiguous(), k, p, total, vocab)
+    fits = fits.unsqueeze(-1)
+    full = torch.where(fits, 0.0, _sorted_cut(sorted_p, k, p))
+    full[..., :K] = torch.where(fits, vals, full[..., :K])
+    # ids is a permutation here: every token is written.
+    dense = torch.empty_like(sub).scatter_(-1, ids, full)
+    return torch.where(rest, src, dense)
 
 
 def target_probs(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor,
                  filtered: bool = True, *, bound: int | None = TOPK_BOUND,
-                 topk_rows: int | None = None, sort_rows: int | None = None) -> Tensor:
+                 topk_rows: int | None = None, sort_rows: int | None = None,
+                 sort_if_needed: bool = False) -> Tensor:
     """Sampling distribution `[bs, ..., V]` (fp32) of `logits` `[bs, ..., V]`.
 
     softmax(logits / temperature), then keep the `top_k` most likely tokens and renormalise
@@ -194,6 +201,8 @@ def target_probs(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tens
     vocabulary for every row, the reference path); at most `topk_rows` rows are neither plain nor
     top-k 1, and at most `sort_rows` rows may need the full sort (`row_path` decides both on the
     host; `None`: every row). A promise broken gives those rows a wrong distribution.
+    `sort_if_needed` (eager only: it reads the device on the host) sorts those rows only when the
+    bounded cut is not exact at some node.
     """
     vocab = logits.shape[-1]
     temp = _per_row(temperature.to(torch.float32), logits)
@@ -217,7 +226,8 @@ def target_probs(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tens
         return _argmax_rows(probs, greedy)
     if n_topk == bs and n_sort in (0, bs):
         # One group of every row; the bounded cut gives top-k 1 rows the same one-hot.
-        return _rows_probs(probs, probs, k, p, truncated | greedy, None, bound, n_sort > 0)
+        return _rows_probs(probs, probs, k, p, truncated | greedy, None, bound, n_sort > 0,
+                           sort_if_needed)
     # Gathered groups: the rows that may need the sort first, then the other truncating rows.
     order = torch.argsort(torch.where(may_sort, 0, torch.where(truncated, 1, 2)), stable=True)
     if n_topk == bs:
@@ -227,7 +237,8 @@ def target_probs(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tens
         out = base
     for rows, sort in ((order[:n_sort], True), (order[n_sort:n_topk], False)):
         if rows.shape[0] > 0:
-            out = out.index_copy_(0, rows, _rows_probs(probs, base, k, p, own, rows, bound, sort))
+            out = out.index_copy_(0, rows, _rows_probs(probs, base, k, p, own, rows, bound, sort,
+                                                       sort_if_needed))
     return out
 
 

@@ -215,6 +215,9 @@ def test_bounded_path_equals_full_sort_on_random_mixes() -> None:
         # The host's counts gather the rows; each node's result stays the same, bit for bit.
         counts = row_counts(top_k, top_p, vocab, bound)
         assert torch.equal(target_probs(logits, temp, top_k, top_p, bound=bound, **counts), every)
+        for c in ({}, counts):  # an eager caller's sort only where the bounded cut falls short
+            assert torch.equal(target_probs(logits, temp, top_k, top_p, bound=bound, **c,
+                                            sort_if_needed=True), every)
 
 
 def test_bounded_path_matches_the_definition_when_it_falls_back() -> None:
@@ -277,6 +280,23 @@ def test_wide_nucleus_takes_the_fallback_sort() -> None:
         target_probs(logits, ones, k, one, bound=8, topk_rows=2, sort_rows=1),
         target_probs(logits, ones, k, one, bound=None),
     )
+
+
+def test_sort_if_needed_sorts_only_when_a_nucleus_overflows(monkeypatch) -> None:
+    g = torch.Generator().manual_seed(2)
+    logits = torch.randn(2, 3, 100, generator=g) * torch.tensor([20.0, 0.1])[:, None, None]
+    ones, off, top_p = torch.ones(2), torch.zeros(2, dtype=torch.int64), torch.tensor([0.9, 0.9])
+    sorts = []
+    real_sort = torch.sort
+    monkeypatch.setattr(torch, "sort", lambda *a, **kw: sorts.append(1) or real_sort(*a, **kw))
+    for rows, sorted_ in ((slice(0, 1), 0), (slice(0, 2), 1)):  # peaked alone; then a flat row
+        x, k, p = logits[rows], off[rows], top_p[rows]
+        counts = row_counts(k, p, 100, 8)
+        sorts.clear()
+        got = target_probs(x, ones[rows], k, p, bound=8, **counts, sort_if_needed=True)
+        assert len(sorts) == sorted_
+        assert torch.equal(got, target_probs(x, ones[rows], k, p, bound=8, **counts))
+        assert_same_distribution(got, target_probs(x, ones[rows], k, p, bound=None))
 
 
 def test_row_counts_pick_the_rows_that_need_each_path() -> None:
