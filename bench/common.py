@@ -15,6 +15,14 @@ import torch
 DEFAULT_OUT = Path("runs/bench")
 
 
+def round_order(items: list[Any], i: int) -> list[Any]:
+    """Round `i`'s order of interleaved runs: rotated by one each round, so every run takes
+    every place in turn and none always follows the same one (or itself, from the round
+    before: the run that goes first finds its own weights still in the CPU's caches)."""
+    k = i % len(items) if items else 0
+    return items[k:] + items[:k]
+
+
 def sync(device: torch.device | str) -> None:
     """Wait for queued device work, so that wall time measures the work itself."""
     if torch.device(device).type == "cuda":

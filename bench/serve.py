@@ -9,7 +9,8 @@ Starts two `python -m engine.serve` processes on free loopback ports, one in its
 of concurrent clients) sends the same held-out prompts (token ids, at most `--prompt-len`) to
 `/v1/completions` with `ignore_eos`, each client taking the next request until all are done;
 throughput is completion tokens over the cell's wall time. Every round runs each cell on both
-servers back to back, then the offline `LLM` (the default server's engine flags, loaded once in
+servers back to back, which one first alternating from cell to cell and round to round
+(`round_order`), then the offline `LLM` (the default server's engine flags, loaded once in
 this process, torch's default threads) on the same requests one at a time, as a single client
 sees them; each number is the median over rounds. Writes JSON and a PNG under `runs/bench/`
 (`--out`), and each server's log beside them (`serve-default.log`, `serve-ar.log`).
@@ -31,7 +32,7 @@ from typing import IO, Any
 import httpx
 from pydantic import ValidationError
 
-from bench.common import bench_prompts, environment, table, write_results
+from bench.common import bench_prompts, environment, round_order, table, write_results
 from engine.config import EngineConfig, SamplingParams, add_cli_args, error_text, from_cli
 from engine.llm import LLM, REPO, compile_auto, model_pair
 
@@ -205,8 +206,8 @@ def _bench(a: argparse.Namespace, config: EngineConfig, servers: list[Server]) -
                 run_cell(client, s, prompts[:1], 1, min(8, a.max_tokens), t, a.seed)
             run_offline(llm, prompts[:1], min(8, a.max_tokens), t, a.seed)
         for r in range(a.rounds):
-            for t, c in cells:
-                for s in servers:
+            for k, (t, c) in enumerate(cells):
+                for s in round_order(servers, r + k):
                     m = run_cell(client, s, prompts, c, a.max_tokens, t, a.seed)
                     res[(s.name, t, c)].append(m)
                     print(f"round {r + 1}/{a.rounds}  T={t:g}  clients {c:>3}  {s.name:>7}: "

@@ -10,12 +10,12 @@ and, as peers on the same checkpoint, transformers' greedy `generate` and its pr
 speculative decoding; then the default budget policy (`policy`: each step's budget from the
 shipped table, down to plain decoding) greedy and sampled, each against `ar` at the same
 temperature (`--policy-only` runs just those). `--compile` runs our engines' compiled step.
-Every engine is loaded once; then `--rounds` passes run all of them in turn, every other pass in
-reverse (so a slow spell of a shared machine hits each alike), and each reports its median
-pass. Prints tokens/s with the ratio to our `ar`, mean accepted length (tokens per step, bonus
-included) and time per phase; writes JSON and PNG plots under `runs/bench/`. `--random` uses
-a tiny random target and drafter instead (whose drafts are rarely accepted: the numbers then
-show the step's overhead, not a speed-up).
+Every engine is loaded once; then `--rounds` passes run all of them in turn, each pass's order
+rotated by one (`round_order`: a slow spell of a shared machine, or the warm caches of the run that
+went last, favours no run), and each reports its median pass. Prints tokens/s with the ratio to our
+`ar`, mean accepted length (tokens per step, bonus included) and time per phase; writes JSON and
+PNG plots under `runs/bench/`. `--random` uses a tiny random target and drafter instead (whose
+drafts are rarely accepted: the numbers then show the step's overhead, not a speed-up).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from bench.common import bench_prompts, environment, table, write_results
+from bench.common import bench_prompts, environment, round_order, table, write_results
 from engine.config import SamplingParams
 from engine.llm import LLM, model_pair
 
@@ -230,9 +230,7 @@ def _bench(a: argparse.Namespace) -> None:
                                 for lk in (None, a.lookup)) if r is not None]
     results: list[list[dict[str, Any]]] = [[] for _ in runners]
     for i in range(a.rounds):
-        # every other round in reverse, so no engine always runs right after the same one
-        order = list(zip(runners, results))
-        for run, res in order if i % 2 == 0 else order[::-1]:
+        for run, res in round_order(list(zip(runners, results)), i):
             res.append(run())
         print(f"  round {i + 1}/{a.rounds}: " + ", ".join(
             f"{res[-1]['name']} {res[-1]['tokens_per_s']:.0f}" for res in results), flush=True)

@@ -1,6 +1,6 @@
 """`python -m bench.spec` end to end on a tiny random pair: every run appears once per round,
 greedy outputs of every mode equal ar's, and the JSON and plot are written; and its
-perfect-drafter ceiling."""
+perfect-drafter ceiling; and the order of the interleaved runs."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from bench import spec
+from bench.common import round_order
 
 
 def test_bench_spec_random_pair(tmp_path: Path) -> None:
@@ -56,3 +57,13 @@ def test_perfect_ceiling_bounds(tmp_path: Path) -> None:
     assert cap[0] == 1.0 and 1.0 < cap[2] < cap[6] <= 7.0
     cold = spec.perfect_ceiling(model, prompts, outputs, 6, 1e-4, positions=4)
     assert cold == pytest.approx(7.0, abs=0.05)
+
+
+def test_round_order_rotates_every_run_through_every_place() -> None:
+    runs = ["ar", "policy", "ar T=0.7", "policy T=0.7"]
+    rounds = [round_order(runs, i) for i in range(len(runs))]
+    assert all(sorted(r) == sorted(runs) for r in rounds)
+    for place in range(len(runs)):
+        assert sorted(r[place] for r in rounds) == sorted(runs)
+    # no run goes first right after going last (its caches still warm)
+    assert all(a[-1] != b[0] for a, b in zip(rounds, rounds[1:] + rounds[:1]))
