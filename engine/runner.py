@@ -287,8 +287,9 @@ class StepGraphRunner:
             except Exception as e:
                 raise CaptureError(
                     f"compiling the {shape.mode} step at batch size {bs} failed: "
-                    f"{type(e).__name__}: {e}. Inductor needs a C++ compiler (g++, or $CXX); "
-                    f"--compile off runs the step eagerly.") from e
+                    f"{type(e).__name__}: {e}. Inductor needs a C++ compiler (g++, or $CXX), "
+                    f"and its cache ({os.environ.get('TORCHINDUCTOR_CACHE_DIR')}) may be deleted "
+                    f"if a file there is broken; --compile off runs the step eagerly.") from e
             self.capture_stats[(bs, shape)] = {"seconds": time.perf_counter() - t0, "bytes": 0}
 
     def _run_compiled(self, buf: StepBuffers, shape: StepShape, width: int) -> None:
@@ -427,11 +428,18 @@ def user_cache_dir() -> Path:
 
 def _keep_inductor_cache() -> None:
     """Inductor's cache in `user_cache_dir()` unless the user chose one: its default lies in
-    /tmp, which does not outlive the machine's next start."""
+    /tmp, which does not outlive the machine's next start. A compile killed while it linked
+    leaves an empty kernel library there, which inductor would load, and fail on, at every
+    later start: those are removed (it then builds them again)."""
     from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
     if os.environ.get("TORCHINDUCTOR_CACHE_DIR") in (None, default_cache_dir()):
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(user_cache_dir() / "inductor")
+    for lib in Path(os.environ["TORCHINDUCTOR_CACHE_DIR"]).rglob("*.so"):
+        if lib.stat().st_size == 0:
+            log.warning("removing %s, an empty kernel library left by an interrupted compile",
+                        lib)
+            lib.unlink(missing_ok=True)
 
 
 @functools.cache

@@ -4,6 +4,7 @@ step's tokens, and `auto` settled per use."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import replace
 
 import pytest
@@ -101,3 +102,21 @@ def test_compile_on_is_refused_where_it_cannot_run():
     for cfg, device in ((replace(on, tp=2), cpu), (on, torch.device("cuda"))):
         with pytest.raises(ValueError, match="single process; CUDA captures graphs"):
             compiles(cfg, device)
+
+
+def test_an_interrupted_compiles_empty_library_is_removed(tmp_path, monkeypatch):
+    """A compile killed while it linked leaves an empty `.so` that inductor would load and fail
+    on at every later start: setting up the cache removes it, and keeps the real ones."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    from engine.runner import _keep_inductor_cache, user_cache_dir
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", default_cache_dir())  # restored afterwards
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    root = user_cache_dir() / "inductor" / "gf"
+    root.mkdir(parents=True)
+    (root / "broken.main.so").touch()
+    (root / "good.main.so").write_bytes(b"\x7fELF" + bytes(60))
+    _keep_inductor_cache()
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "kimi-spec" / "inductor")
+    assert sorted(p.name for p in root.iterdir()) == ["good.main.so"]
