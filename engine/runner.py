@@ -421,6 +421,10 @@ class StepGraphRunner:
         return [e[: a + 1] for e, a in zip(emit, accept)], accept
 
 
+# An empty kernel library this old in inductor's cache is a killed compile's, not a live link.
+STALE_LINK_S = 600.0
+
+
 def user_cache_dir() -> Path:
     """Where compiled steps are cached: `$XDG_CACHE_HOME/kimi-spec` (else `~/.cache/kimi-spec`)."""
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "kimi-spec"
@@ -430,16 +434,21 @@ def _keep_inductor_cache() -> None:
     """Inductor's cache in `user_cache_dir()` unless the user chose one: its default lies in
     /tmp, which does not outlive the machine's next start. A compile killed while it linked
     leaves an empty kernel library there, which inductor would load, and fail on, at every
-    later start: those are removed (it then builds them again)."""
+    later start: those are removed (it then builds them again), once they are older than any
+    link still under way in another process."""
     from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
     if os.environ.get("TORCHINDUCTOR_CACHE_DIR") in (None, default_cache_dir()):
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(user_cache_dir() / "inductor")
     for lib in Path(os.environ["TORCHINDUCTOR_CACHE_DIR"]).rglob("*.so"):
-        if lib.stat().st_size == 0:
-            log.warning("removing %s, an empty kernel library left by an interrupted compile",
-                        lib)
-            lib.unlink(missing_ok=True)
+        try:
+            st = lib.stat()
+            if st.st_size == 0 and time.time() - st.st_mtime > STALE_LINK_S:
+                log.warning("removing %s, an empty kernel library left by an interrupted "
+                            "compile", lib)
+                lib.unlink()
+        except OSError:  # gone meanwhile (another process cleaned it up)
+            pass
 
 
 @functools.cache

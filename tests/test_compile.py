@@ -5,6 +5,7 @@ step's tokens, and `auto` settled per use."""
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import replace
 
 import pytest
@@ -106,7 +107,8 @@ def test_compile_on_is_refused_where_it_cannot_run():
 
 def test_an_interrupted_compiles_empty_library_is_removed(tmp_path, monkeypatch):
     """A compile killed while it linked leaves an empty `.so` that inductor would load and fail
-    on at every later start: setting up the cache removes it, and keeps the real ones."""
+    on at every later start: setting up the cache removes it, and keeps the real ones and a
+    fresh empty one (a link under way elsewhere)."""
     from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
     from engine.runner import _keep_inductor_cache, user_cache_dir
@@ -116,7 +118,10 @@ def test_an_interrupted_compiles_empty_library_is_removed(tmp_path, monkeypatch)
     root = user_cache_dir() / "inductor" / "gf"
     root.mkdir(parents=True)
     (root / "broken.main.so").touch()
+    hour_ago = time.time() - 3600
+    os.utime(root / "broken.main.so", (hour_ago, hour_ago))
+    (root / "linking.main.so").touch()  # another process may be linking it right now
     (root / "good.main.so").write_bytes(b"\x7fELF" + bytes(60))
     _keep_inductor_cache()
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "kimi-spec" / "inductor")
-    assert sorted(p.name for p in root.iterdir()) == ["good.main.so"]
+    assert sorted(p.name for p in root.iterdir()) == ["good.main.so", "linking.main.so"]
