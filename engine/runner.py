@@ -49,8 +49,9 @@ log = logging.getLogger("engine.runner")
 @dataclass
 class StepInputs:
     """One step's inputs for `b` requests, as host values. Each row owns pages up to
-    `cache_len + S` (S: the most tokens a step emits) and brings `coins_per_row(b)` uniforms
-    from its own stream (one per tree node, then one for the bonus token; zeros when greedy).
+    `cache_len + S` (S: the most tokens this step's shape emits, `max_emit`) and brings
+    `coins_per_row(b)` uniforms from its own stream (one per tree node, then one for the bonus
+    token; zeros when greedy).
     `lag` (for a step that `drafts`; empty: none) holds each row's last committed tokens whose
     drafter context plain-decoding steps left out; the step catches them up first."""
 
@@ -341,8 +342,7 @@ class StepGraphRunner:
         b = len(inp.anchor)
         if b == 0:
             raise ValueError("a step needs at least one request")
-        size = self.padded_size(b)
-        shape = self.shapes[(size, self.kind(inp.params))]
+        size, shape = self.padded_size(b), self.step_shape(b, inp.params)
         fixed = self.use_graphs or self.compile  # a graph runs its whole size
         buf = self.buffers[size].rows(size if (pad or fixed) else b).fit(shape)
         cuts = [_cut(x) for x in inp.params]
