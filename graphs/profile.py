@@ -84,6 +84,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="the temperature of the sampled table's measurements")
     ap.add_argument("--tune-prompts", type=int, default=16,
                     help="prompts each --tune measurement runs (in batches of its size)")
+    ap.add_argument("--tune-tokens", type=int, default=64,
+                    help="new tokens each --tune prompt decodes (every budget over the same "
+                         "text; bench.spec and bench.serve decode 64)")
     ap.add_argument("--policy-out", default=None, help="where --tune writes the budget tables "
                     "(default: configs/budgets-<device>.toml, the engine's default there)")
     ap.add_argument("--no-progress", action="store_true")
@@ -111,11 +114,12 @@ class Bench:
         top = StepShape(a.mode, max([self.budget, *budgets]), self.block, False)
         self.span = top.max_emit
         # every request holds its prompt plus every step a profile may run, warm-ups included
-        self.tokens = a.prompt_len + (a.warmup + a.steps + 2) * self.span
+        self.tokens = a.prompt_len + max((a.warmup + a.steps + 2) * self.span,
+                                         a.tune_tokens + 2 * self.span if a.tune else 0)
         self.max_pages = pages_needed(self.tokens, a.page_size)
         c = target.cfg
         if self.tokens > c.max_position_embeddings:
-            raise ValueError(f"--prompt-len {a.prompt_len} plus {a.steps} steps exceeds the "
+            raise ValueError(f"--prompt-len {a.prompt_len} plus the steps run exceeds the "
                              f"model's {c.max_position_embeddings} positions")
         self.pool = self.models.kv_pool(a.page_size, 1 + max(a.batch_sizes) * self.max_pages,
                                         dtype, device)
@@ -163,6 +167,11 @@ class Bench:
         return reqs
 
 
+def _free() -> None:
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
 def _snapshot(reqs: list[Request]) -> list[Request]:
     return [r.fork() for r in reqs]
 
@@ -172,56 +181,81 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
+def _step(runner: StepGraphRunner, reqs: list[Request], device: torch.device
+          ) -> tuple[float, list[list[int]]]:
+    """One timed step of `reqs`, applied to them."""
+    _sync(device)
+    t0 = time.perf_counter()
+    out, acc = runner.step(step_inputs(reqs, runner.coins_per_row(len(reqs))))
+    dt = time.perf_counter() - t0
+    for r, toks, a in zip(reqs, out, acc):
+        r.cache_len += a + 1
+        r.output_ids += toks
+    return dt, out
+
+
 def _run(runner: StepGraphRunner, reqs: list[Request], warmup: int, steps: int,
-         device: torch.device) -> dict[str, Any]:
-    """Advance `reqs` through `warmup + steps` steps; time the last `steps`."""
-    times, tokens, emitted, first = [], 0, [], 0.0
-    runner.timer.totals.clear()
+         device: torch.device, horizon: int | None = None) -> dict[str, Any]:
+    """Advance `reqs` through `warmup + steps` steps; time the last `steps`. With `horizon`,
+    the warm-up steps run on a copy and the timed steps go on until every row has `horizon`
+    new tokens, counting each row's steps and tokens only up to there: every budget is then
+    measured over the same stretch of text (a long run drifts into repetition, which any
+    drafter predicts, so a fixed step count favours the budgets that get there first)."""
     tp = runner.models.tp
-    for i in range(warmup + steps):
-        if i == warmup:
-            runner.timer.totals.clear()
-            if tp is not None:
-                tp.comm.reset()
-        _sync(device)
-        t0 = time.perf_counter()
-        out, acc = runner.step(step_inputs(reqs, runner.coins_per_row(len(reqs))))
-        dt = time.perf_counter() - t0
+    warm = _snapshot(reqs) if horizon is not None else reqs
+    first = 0.0
+    for _ in range(warmup):
+        first = first or _step(runner, warm, device)[0]
+    runner.timer.totals.clear()
+    if tp is not None:
+        tp.comm.reset()
+    times, emitted, tokens, row_steps, got = [], [], 0, 0, [0] * len(reqs)
+    while len(times) < steps if horizon is None else min(got) < horizon:
+        dt, out = _step(runner, reqs, device)
         first = first or dt
-        for r, toks, a in zip(reqs, out, acc):
-            r.cache_len += a + 1
-            r.output_ids += toks
+        times.append(dt)
         emitted.append(out)
-        if i >= warmup:
-            times.append(dt)
-            tokens += sum(len(t) for t in out)
+        for k, toks in enumerate(out):
+            if horizon is None or got[k] < horizon:
+                row_steps += 1
+                tokens += len(toks) if horizon is None else min(len(toks), horizon - got[k])
+            got[k] += len(toks)
     comm = tp.comm.seconds.get("all_reduce", 0.0) if tp is not None else None
-    return {"median_s": statistics.median(times), "total_s": sum(times), "tokens": tokens,
-            "emitted": emitted, "phases": dict(runner.timer.totals), "allreduce_s": comm,
-            "first_s": first}
+    return {"median_s": statistics.median(times), "total_s": sum(times), "steps": len(times),
+            "tokens": tokens, "row_steps": row_steps, "emitted": emitted,
+            "phases": dict(runner.timer.totals), "allreduce_s": comm, "first_s": first}
 
 
 def profile_size(bench: Bench, bs: int, budget: int, graphs: bool, tel: Telemetry,
-                 temperature: float, first: int = 0) -> dict[str, Any]:
+                 temperature: float, first: int = 0, horizon: int | None = None,
+                 kept: dict[bool, StepGraphRunner] | None = None) -> dict[str, Any]:
     """Eager (phase-timed) and, on CUDA, captured runs of one batch size at one budget, over
-    prompts `first ..`."""
+    prompts `first ..` (for `horizon` new tokens each, if given; see `_run`). `kept` holds the
+    runners (eager: False, graphs: True) from one call to the next: a tune's batches of one
+    (batch size, budget) then capture or compile once."""
     a, dev = bench.a, bench.device
-    runner = bench.runner([bs], budget, use_graphs=False)
+    owned = kept is None
+    kept = {} if kept is None else kept
+    if False not in kept:
+        kept[False] = bench.runner([bs], budget, use_graphs=False)
+    runner = kept[False]
     # NOTE: both runs start from this state with fresh coin streams, so they must agree.
     start = _snapshot(bench.requests(bs, runner, temperature, first))
     runner.timer = PhaseTimer(sync=dev.type == "cuda")
     tp = bench.models.tp
     if tp is not None:
         tp.timed = True  # eager only: a replayed graph's collectives are not seen
-    eager = _run(runner, _snapshot(start), a.warmup, a.steps, dev)
+    eager = _run(runner, _snapshot(start), a.warmup, a.steps, dev, horizon)
     if tp is not None:
         tp.timed = False
     row: dict[str, Any] = {
         "batch_size": bs, "budget": budget if a.mode == "tree" else None,
         "nodes": runner.shape.num_nodes,
         "eager_ms": eager["median_s"] * 1e3,
-        "phase_ms": {k: eager["phases"].get(k, 0.0) * 1e3 / a.steps for k in (*PHASES, "host")},
-        "tokens_per_step": eager["tokens"] / (a.steps * bs),
+        "phase_ms": {k: eager["phases"].get(k, 0.0) * 1e3 / eager["steps"]
+                     for k in (*PHASES, "host")},
+        "tokens_per_step": eager["tokens"] / eager["row_steps"],
+        "tokens": eager["tokens"], "row_steps": eager["row_steps"],
         "capture_s": None, "graph_bytes": None, "replay_ms": None, "speedup": None,
         "replay_matches_eager": None,
         "allreduce_share": (eager["allreduce_s"] / eager["total_s"]
@@ -229,12 +263,14 @@ def profile_size(bench: Bench, bs: int, budget: int, graphs: bool, tel: Telemetr
     }
     best = eager
     if graphs:
-        g = bench.runner([bs], budget, use_graphs=True)
+        if True not in kept:
+            kept[True] = bench.runner([bs], budget, use_graphs=True)
+            if not kept[True].compile:  # a compiled step compiles its shape at its first step
+                kept[True].capture(progress=False)
+        g = kept[True]
         try:
-            if not g.compile:  # a compiled step compiles the one shape it runs, at its first
-                g.capture(progress=False)
             with tel.sampler() as smp:
-                replay = _run(g, _snapshot(start), a.warmup, a.steps, dev)
+                replay = _run(g, _snapshot(start), a.warmup, a.steps, dev, horizon)
             stats = list(g.capture_stats.values())
             row["capture_s"] = replay["first_s"] if g.compile else sum(
                 s["seconds"] for s in stats)
@@ -246,9 +282,12 @@ def profile_size(bench: Bench, bs: int, budget: int, graphs: bool, tel: Telemetr
             best = replay
         finally:
             del g
-            gc.collect()
-            torch.cuda.empty_cache()
-    row["tokens_per_s"] = best["tokens"] / best["total_s"]
+            if owned:
+                kept.clear()
+                _free()
+    # each row's tokens per step at the batch's mean step time (without `horizon`: tokens over
+    # time; with it, rows done before the slowest would, in a server, make way for others)
+    row["tokens_per_s"] = row["tokens_per_step"] * bs * best["steps"] / best["total_s"]
     return row
 
 
@@ -285,15 +324,18 @@ def tune(bench: Bench, graphs: bool, tel: Telemetry, progress: bool) -> list[dic
     out = []
     for temperature, bs, b in tqdm(todo, desc="tuning budgets", disable=not progress):
         # NOTE: every batch of the same prompts, so each budget sees the same text
-        runs = [profile_size(bench, bs, b, graphs, tel, temperature, first)
+        kept: dict[bool, StepGraphRunner] = {}
+        runs = [profile_size(bench, bs, b, graphs, tel, temperature, first, a.tune_tokens, kept)
                 for first in range(0, max(a.tune_prompts, bs), bs)]
+        kept.clear()
+        _free()
         ms = statistics.mean(r["replay_ms"] if r["replay_ms"] is not None else r["eager_ms"]
                              for r in runs)
-        tokens = sum(r["tokens_per_step"] * bs * a.steps for r in runs)
+        tokens = sum(r["tokens"] for r in runs)
         out.append({"sample": temperature > 0, "batch_size": bs, "budget": b,
-                    "accept": tokens / (len(runs) * bs * a.steps), "step_ms": ms,
-                    "tokens_per_s": tokens / sum(r["tokens_per_step"] * bs * a.steps /
-                                                 r["tokens_per_s"] for r in runs)})
+                    "accept": tokens / sum(r["row_steps"] for r in runs), "step_ms": ms,
+                    "tokens": tokens,
+                    "tokens_per_s": tokens / sum(r["tokens"] / r["tokens_per_s"] for r in runs)})
     return out
 
 
@@ -302,8 +344,8 @@ def main(argv: list[str] | None = None) -> int:
     if a.mode != "tree" and a.tune:
         print("error: --tune chooses tree budgets; use --mode tree", file=sys.stderr)
         return 2
-    if a.steps < 1 or a.prompt_len < 1:
-        print("error: --steps and --prompt-len must be >= 1", file=sys.stderr)
+    if a.steps < 1 or a.prompt_len < 1 or a.tune_tokens < 1:
+        print("error: --steps, --prompt-len and --tune-tokens must be >= 1", file=sys.stderr)
         return 2
     if a.tune and a.tune_temperature <= 0:
         print("error: --tune-temperature must be > 0 (the sampled table)", file=sys.stderr)
@@ -361,6 +403,7 @@ def _profile(a: argparse.Namespace, bench: Bench, device: torch.device, dtype: t
         "mode": a.mode, "budget": bench.budget, "device": str(device), "dtype": str(dtype),
         "graphs": graphs, "note": None if graphs else NO_GRAPHS,
         "prompt_len": a.prompt_len, "steps": a.steps, "temperature": a.temperature,
+        "tune_tokens": a.tune_tokens if a.tune else None,
         "torch": torch.__version__, "gpu": tel.static(), "results": rows,
     }
     tel.close()
@@ -374,7 +417,8 @@ def _profile(a: argparse.Namespace, bench: Bench, device: torch.device, dtype: t
             f"model {bench.model_dir.name}, drafter {bench.draft_dir and bench.draft_dir.name}, "
             f"{device} {dtype}, "
             f"{torch.get_num_threads()} threads, {_step_kind(device, graphs)} step time, "
-            f"prompts of <= {a.prompt_len} tokens, sampled at T = {a.tune_temperature}")))
+            f"prompts of <= {a.prompt_len} tokens, {a.tune_tokens} new tokens each, "
+            f"sampled at T = {a.tune_temperature}")))
     out = Path(a.output)
     try:
         out.parent.mkdir(parents=True, exist_ok=True)

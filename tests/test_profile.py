@@ -49,7 +49,8 @@ def test_profile_main_writes_json_and_table(tmp_path, capsys):
 def test_profile_tune_writes_the_budget_policy(tmp_path, capsys):
     policy = tmp_path / "budgets.toml"
     rc = _profile(tmp_path, "--batch-sizes", "1,2", "--budget", "4", "--steps", "1",
-                  "--warmup", "0", "--prompt-len", "5", "--tune", "--tune-budgets", "0,5",
+                  "--warmup", "1", "--prompt-len", "5", "--tune", "--tune-budgets", "0,5",
+                  "--tune-prompts", "4", "--tune-tokens", "7",
                   "--policy-out", str(policy), "--output", str(tmp_path / "p.json"))
     assert rc == 0
     budgets = load_budgets(policy)
@@ -59,6 +60,10 @@ def test_profile_tune_writes_the_budget_policy(tmp_path, capsys):
     res = json.loads((tmp_path / "p.json").read_text())
     assert {(t["sample"], t["batch_size"], t["budget"]) for t in res["tune"]} == {
         (s, bs, b) for s in (False, True) for bs in (1, 2) for b in (0, 5)}
+    for t in res["tune"]:
+        # every budget decodes the same 7 new tokens of each of the 4 prompts, no more
+        assert t["tokens"] == 4 * 7
+        assert t["accept"] == 1.0 if t["budget"] == 0 else 1.0 <= t["accept"] <= 4.0
     assert "measured" in policy.read_text()
 
 
