@@ -319,23 +319,32 @@ def tune(bench: Bench, graphs: bool, tel: Telemetry, progress: bool) -> list[dic
     from tqdm import tqdm
 
     a = bench.a
-    todo = [(t, bs, b) for t in (0.0, a.tune_temperature) for bs in a.batch_sizes
-            for b in a.tune_budgets]
-    out = []
-    for temperature, bs, b in tqdm(todo, desc="tuning budgets", disable=not progress):
-        # NOTE: every batch of the same prompts, so each budget sees the same text
-        kept: dict[bool, StepGraphRunner] = {}
-        runs = [profile_size(bench, bs, b, graphs, tel, temperature, first, a.tune_tokens, kept)
-                for first in range(0, max(a.tune_prompts, bs), bs)]
-        kept.clear()
-        _free()
-        ms = statistics.mean(r["replay_ms"] if r["replay_ms"] is not None else r["eager_ms"]
-                             for r in runs)
-        tokens = sum(r["tokens"] for r in runs)
-        out.append({"sample": temperature > 0, "batch_size": bs, "budget": b,
-                    "accept": tokens / sum(r["row_steps"] for r in runs), "step_ms": ms,
-                    "tokens": tokens,
-                    "tokens_per_s": tokens / sum(r["tokens"] / r["tokens_per_s"] for r in runs)})
+    budgets, out = a.tune_budgets, []
+    firsts = {bs: range(0, max(a.tune_prompts, bs), bs) for bs in a.batch_sizes}
+    bar = tqdm(total=2 * len(budgets) * sum(map(len, firsts.values())), desc="tuning budgets",
+               disable=not progress)
+    for temperature in (0.0, a.tune_temperature):
+        for bs in a.batch_sizes:
+            # NOTE: on each batch of prompts every budget runs in turn, in rotating order, so a
+            # drift in the machine's speed falls on all of them alike, and each sees the same text
+            kept: dict[int, dict[bool, StepGraphRunner]] = {b: {} for b in budgets}
+            runs: dict[int, list[dict[str, Any]]] = {b: [] for b in budgets}
+            for i, first in enumerate(firsts[bs]):
+                for b in budgets[i % len(budgets):] + budgets[:i % len(budgets)]:
+                    runs[b].append(profile_size(bench, bs, b, graphs, tel, temperature, first,
+                                                a.tune_tokens, kept[b]))
+                    bar.update()
+            kept.clear()
+            _free()
+            for b, rs in runs.items():
+                ms = statistics.mean(r["replay_ms"] if r["replay_ms"] is not None
+                                     else r["eager_ms"] for r in rs)
+                tokens = sum(r["tokens"] for r in rs)
+                out.append({"sample": temperature > 0, "batch_size": bs, "budget": b,
+                            "accept": tokens / sum(r["row_steps"] for r in rs), "step_ms": ms,
+                            "tokens": tokens, "tokens_per_s": tokens / sum(
+                                r["tokens"] / r["tokens_per_s"] for r in rs)})
+    bar.close()
     return out
 
 
