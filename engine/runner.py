@@ -303,8 +303,9 @@ class StepGraphRunner:
         # (its width is symbolic), so a step of a known key skips the config patch.
         patch = contextlib.nullcontext()
         if key not in self.compiled:
-            log.info("compiling the %s step (budget %d, %s) at batch size %d", shape.mode,
-                     shape.budget, "sampled" if shape.sample else "greedy", key[0])
+            log.info("compiling the %s step (%s%s) at batch size %d", shape.mode,
+                     "" if shape.mode == "ar" else f"budget {shape.budget}, ",
+                     "sampled" if shape.sample else "greedy", key[0])
             patch = torch._dynamo.config.patch(automatic_dynamic_shapes=False,
                                                recompile_limit=1 << 12,
                                                accumulated_recompile_limit=1 << 12)
