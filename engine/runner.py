@@ -40,9 +40,11 @@ from ops.sampling import row_promises, sample_from_probs, target_probs
 Planner = Callable[[Tensor, Tensor, int], None]
 # A step is "greedy" (no row samples), "sampled" (most rows sample: the sampled budget) or
 # "mixed" (half the rows or fewer sample: the sampling decide over the greedy budget's tree, since
-# a greedy row's accepted drafts outweigh a sampled row's). Kinds whose shapes agree share one
-# graph.
-KINDS = ("greedy", "mixed", "sampled")
+# a greedy row's accepted drafts outweigh a sampled row's). A sampled step with a row whose
+# drafter cache lags (plain steps left it behind) is "lagging" and decodes plainly: catching up
+# costs a forward over the lag, more than a sampled tree wins back (1.1x where it is chosen).
+# Kinds whose shapes agree share one graph.
+KINDS = ("greedy", "mixed", "sampled", "lagging")
 log = logging.getLogger("engine.runner")
 
 
@@ -53,7 +55,8 @@ class StepInputs:
     `coins_per_row(b)` uniforms from its own stream (one per tree node, then one for the bonus
     token; zeros when greedy).
     `lag` (for a step that `drafts`; empty: none) holds each row's last committed tokens whose
-    drafter context plain-decoding steps left out; the step catches them up first."""
+    drafter context plain-decoding steps left out; the step catches them up first. `lagging`
+    says whether any row has such tokens (the step's shape depends on it)."""
 
     anchor: list[int]
     cache_len: list[int]
@@ -61,6 +64,7 @@ class StepInputs:
     params: list[SamplingParams]
     coins: list[list[float]]
     lag: list[list[int]] = field(default_factory=list)
+    lagging: bool = False  # some row's drafter cache lags (`step_shape`)
 
 
 @dataclass
@@ -149,9 +153,10 @@ class StepGraphRunner:
         # (batch size, sampling) -> tree budget
         self.budgets = {(bs, s): spread[s].get(bs, shape.budget)
                         for bs in self.capture_sizes for s in (False, True)}
-        self.shapes = {(bs, kind): StepShape(shape.mode, self.budgets[(bs, kind == "sampled")],
-                                             shape.block_size, kind != "greedy")
-                       for bs in self.capture_sizes for kind in KINDS}
+        self.shapes = {(bs, kind): StepShape(
+            shape.mode, 0 if tree and kind == "lagging" else
+            self.budgets[(bs, kind in ("sampled", "lagging"))],
+            shape.block_size, kind != "greedy") for bs in self.capture_sizes for kind in KINDS}
         self.buffers = {bs: StepBuffers.allocate(bs, max_pages, self.shapes_of(bs),
                                                  models.target, self.device)
                         for bs in self.capture_sizes}
@@ -184,14 +189,20 @@ class StepGraphRunner:
         size = self.padded_size(b)
         return max(self.shapes[(size, k)].num_nodes for k in ("mixed", "sampled")) + 1
 
-    def step_shape(self, b: int, params: Sequence[SamplingParams]) -> StepShape:
+    def step_shape(self, b: int, params: Sequence[SamplingParams], lagging: bool = False
+                   ) -> StepShape:
         """The shape a step of these `b` rows runs (before its rows' sampling promises): whether
-        it drafts (and so feeds the drafter's cache), and the most it can write (`max_emit`)."""
-        return self.shapes[(self.padded_size(b), self.kind(params))]
+        it drafts (and so feeds the drafter's cache), and the most it can write (`max_emit`).
+        `lagging`: some row's drafter cache lags."""
+        return self.shapes[(self.padded_size(b), self.kind(params, lagging))]
 
-    def kind(self, params: Sequence[SamplingParams]) -> str:
+    def kind(self, params: Sequence[SamplingParams], lagging: bool = False) -> str:
         sampled = sum(not p.greedy for p in params)
-        return "greedy" if not sampled else "sampled" if 2 * sampled > len(params) else "mixed"
+        if not sampled:
+            return "greedy"
+        if 2 * sampled > len(params):
+            return "lagging" if lagging else "sampled"
+        return "mixed"
 
     def padded_size(self, b: int) -> int:
         for s in self.capture_sizes:
@@ -277,7 +288,8 @@ class StepGraphRunner:
         todo = list(dict.fromkeys(
             (bs, replace(self.shapes[(bs, kind)], **promise)) for bs in self.capture_sizes
             for kind, promise, rows in (("greedy", {}, 1), ("sampled", alone, 1),
-                                        ("sampled", beside, 3), ("mixed", beside, 2))
+                                        ("sampled", beside, 3), ("mixed", beside, 2),
+                                        ("lagging", alone, 1), ("lagging", beside, 3))
             if bs >= rows))
         for bs, shape in tqdm(todo, desc="compiling steps", disable=not progress):
             buf = self.buffers[bs].fit(shape)
@@ -343,7 +355,7 @@ class StepGraphRunner:
         b = len(inp.anchor)
         if b == 0:
             raise ValueError("a step needs at least one request")
-        size, shape = self.padded_size(b), self.step_shape(b, inp.params)
+        size, shape = self.padded_size(b), self.step_shape(b, inp.params, inp.lagging)
         fixed = self.use_graphs or self.compile  # a graph runs its whole size
         buf = self.buffers[size].rows(size if (pad or fixed) else b).fit(shape)
         cuts = [_cut(x) for x in inp.params]

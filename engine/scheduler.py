@@ -8,7 +8,8 @@ on the host. Finished requests leave at once and free their pages.
 Every model call goes through the runner (`engine.runner.StepGraphRunner`, or anything with its
 `prefill`, `step`, `coins_per_row`, `step_shape` and `shape`), which takes host values, not
 requests. A plain-decoding step (budget 0) leaves the drafter's cache behind; the request's next
-drafting step brings it the tokens it missed (`lag`).
+drafting step brings it the tokens it missed (`lag`), unless most rows sample: such a batch with
+a lagging row keeps decoding plainly (the runner's "lagging" kind).
 """
 
 from __future__ import annotations
@@ -56,6 +57,11 @@ class StepEvent:
     emitted: int = 0
 
 
+def lagging(reqs: Sequence[Request]) -> bool:
+    """Whether some request's drafter cache lacks committed tokens (plain steps left it)."""
+    return any(r.fed < r.cache_len for r in reqs)
+
+
 def step_inputs(reqs: Sequence[Request], coins_per_row: int, drafts: bool = False
                 ) -> StepInputs:
     """What a step needs of `reqs`, each drawing `coins_per_row` coins from its stream; a step
@@ -64,7 +70,7 @@ def step_inputs(reqs: Sequence[Request], coins_per_row: int, drafts: bool = Fals
            for r in reqs] if drafts else []
     return StepInputs([r.anchor for r in reqs], [r.cache_len for r in reqs],
                       [list(r.pages) for r in reqs], [r.params for r in reqs],
-                      [r.coins(coins_per_row) for r in reqs], lag)
+                      [r.coins(coins_per_row) for r in reqs], lag, lagging(reqs))
 
 
 class Scheduler:
@@ -212,7 +218,8 @@ class Scheduler:
         # 2. pages for what this step may write (its shape's span); preempt the newest when
         # short, and ask again: a smaller batch may take another shape
         while self.running:
-            shape = self.runner.step_shape(len(self.running), [r.params for r in self.running])
+            shape = self.runner.step_shape(len(self.running), [r.params for r in self.running],
+                                           lagging(self.running))
             if self._reserve(shape.max_emit):
                 break
         if not self.running:

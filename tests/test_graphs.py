@@ -229,6 +229,10 @@ def test_runner_with_budget_policy(models):
     assert [runner.kind(ps) for ps in ([greedy] * 3, [hot] + [greedy] * 3, [hot, greedy],
                                        [hot, hot, greedy])] == [
         "greedy", "mixed", "mixed", "sampled"]
+    # a sampled batch with a lagging drafter cache decodes plainly; a mixed one still drafts
+    assert runner.kind([hot, hot, greedy], lagging=True) == "lagging"
+    assert runner.kind([hot, greedy], lagging=True) == "mixed"
+    assert runner.shapes[(1, "lagging")] == StepShape("tree", 0, BLOCK, True)
     assert runner.shapes[(4, "mixed")] == StepShape("tree", 3, BLOCK, True)
     assert runner.coins_per_row(3) == 5  # the widest sampling tree at size 4: budget 3
     for sample in (False, True):
@@ -307,6 +311,39 @@ def test_a_request_drafts_again_after_plain_decoding(tmp_path, monkeypatch):
     # drafter missed positions 25 .. 28, once
     assert lags == [(len(prompts[1]), 4)]
     assert tree[1].accept_lengths[:4] == [1, 1, 1, 1] and len(tree[1].accept_lengths) > 4
+
+
+def test_a_sampled_request_that_decoded_plainly_stays_plain(tmp_path, monkeypatch):
+    """The same pair, sampled, with a sampled budget alone: the longer request, left alone with
+    a lagging drafter cache, keeps decoding plainly (no catch-up, one token a step), while a
+    lone sampled request whose drafter kept up drafts."""
+    from engine import LLM
+
+    target, draft = write_pair(tmp_path)
+    policy = tmp_path / "budgets.toml"
+    write_budgets(policy, {False: {1: 4, 2: 0}, True: {1: 4, 2: 0}})
+    prompts = [[5, 6, 7], list(range(20, 45))]
+    params = [SamplingParams(temperature=0.8, seed=1, max_new_tokens=5, ignore_eos=True),
+              SamplingParams(temperature=0.8, seed=2, max_new_tokens=14, ignore_eos=True)]
+    llm = LLM(target, draft, mode="tree", max_batch_size=2, budget_policy=str(policy),
+              progress=False)
+    assert llm.runner.step_shape(1, params[1:], lagging=True).budget == 0
+    assert llm.runner.step_shape(1, params[1:]).budget == 4
+    monkeypatch.setattr("engine.runner.catch_up", lambda *a, **k: pytest.fail("caught up"))
+    budgets: list[int] = []
+    real = llm.runner.step_shape
+
+    def spy(b, ps, lagging=False):
+        budgets.append(real(b, ps, lagging).budget)
+        return real(b, ps, lagging)
+
+    monkeypatch.setattr(llm.runner, "step_shape", spy)
+    pair = llm.generate(prompts, params)
+    assert len(pair[1].token_ids) == 14 and len(pair[1].accept_lengths) == 13
+    assert budgets and set(budgets) == {0}
+    budgets.clear()
+    llm.generate(prompts[1:], params[1:])
+    assert set(budgets) == {4}  # alone from the start, its drafter kept up: it drafts
 
 
 def test_best_budgets_keep_plain_decoding_unless_a_tree_wins_by_the_margin():

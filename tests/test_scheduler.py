@@ -37,7 +37,7 @@ class FakeRunner:
     def coins_per_row(self, b: int) -> int:
         return 5
 
-    def step_shape(self, b: int, params: list) -> FakeShape:
+    def step_shape(self, b: int, params: list, lagging: bool = False) -> FakeShape:
         return self.shape
 
     def prefill(self, inp: PrefillInputs) -> int | None:
@@ -47,7 +47,7 @@ class FakeRunner:
 
     def step(self, inp: StepInputs) -> tuple[list[list[int]], list[int]]:
         self.steps.append(inp)
-        span = self.step_shape(len(inp.anchor), inp.params).max_emit
+        span = self.step_shape(len(inp.anchor), inp.params, inp.lagging).max_emit
         for pages, n in zip(inp.pages, inp.cache_len):
             assert len(pages) * PAGE >= n + span, "a step may write past its pages"
         assert all(len(c) == 5 for c in inp.coins)
@@ -60,7 +60,7 @@ class SpanRunner(FakeRunner):
     """Plain decoding (one token a step, no drafting) while two or more rows run; a lone row
     drafts and may write 4 tokens a step."""
 
-    def step_shape(self, b: int, params: list) -> FakeShape:
+    def step_shape(self, b: int, params: list, lagging: bool = False) -> FakeShape:
         return FakeShape(1, drafts=False) if b >= 2 else self.shape
 
 
@@ -132,6 +132,7 @@ def test_each_step_reserves_only_its_own_span():
     assert len(alone[0].pages[0]) == -(-(alone[0].cache_len[0] + 4) // PAGE)
     # the first drafting step hands over what the plain steps committed without the drafter
     assert alone[0].lag == [a.output_ids[:alone[0].cache_len[0] - 7]]
+    assert alone[0].lagging and not pair[0].lagging  # which the runner's shape may weigh
     assert len(a.output_ids) == 12 and a.output_ids == list(range(2, 14))
     assert s.alloc.num_free == 63
 

@@ -96,7 +96,7 @@ class ScriptedRunner:
     def coins_per_row(self, b: int) -> int:
         return 1
 
-    def step_shape(self, b: int, params: list) -> _Shape:
+    def step_shape(self, b: int, params: list, lagging: bool = False) -> _Shape:
         return self.shape
 
     def prefill(self, inp: PrefillInputs) -> int | None:
