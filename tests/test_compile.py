@@ -81,6 +81,15 @@ def test_warm_up_covers_the_common_batches(models, monkeypatch):
             buf, shape_, _ = runner.load(inp)
             loaded.add((buf.anchor.shape[0], shape_))
     assert set(warmed) == loaded
+    # a server also warms up the plain steps of sampled batches whose drafter lags (one row:
+    # its sampled budget is 3, so the lagging step is another shape); offline they wait
+    lagging = StepInputs(anchor=[1], cache_len=[4], pages=[[1, 2]], params=[hot],
+                         coins=[[0.0] * runner.coins_per_row(1)], lagging=True)
+    buf, plain, _ = runner.load(lagging)
+    assert plain.budget == 0 and (1, plain) not in warmed
+    warmed.clear()
+    runner.capture(progress=False, lagging=True)
+    assert (1, plain) in warmed and set(warmed) > loaded
 
 
 def test_compile_auto_is_settled_per_use(monkeypatch):

@@ -104,7 +104,7 @@ class ScriptedRunner:
         it = self.rows[inp.pages[0]] = iter(self.scripts.popleft())
         return next(it, self.eos)
 
-    def capture(self, progress: bool = True) -> None:
+    def capture(self, progress: bool = True, lagging: bool = False) -> None:
         """Nothing to capture: the server calls it before serving."""
 
     def step(self, inp: StepInputs) -> tuple[list[list[int]], list[int]]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import signal
@@ -73,7 +74,8 @@ class Engine:
     async def running(self) -> AsyncIterator[None]:
         """Step graphs captured on the step thread, then the engine loop; leaving fails the rest."""
         with ThreadPoolExecutor(1, "engine", torch.set_num_threads, (self.threads,)) as thread:
-            await asyncio.get_running_loop().run_in_executor(thread, self.llm.runner.capture)
+            await asyncio.get_running_loop().run_in_executor(
+                thread, functools.partial(self.llm.runner.capture, lagging=True))
             task = asyncio.get_running_loop().create_task(self._run(thread))
             try:
                 yield
