@@ -37,6 +37,7 @@ from typing import Any
 
 import torch
 
+from bench.common import round_order
 from engine.config import (
     DEFAULT_BUDGET,
     EngineConfig,
@@ -330,7 +331,7 @@ def tune(bench: Bench, graphs: bool, tel: Telemetry, progress: bool) -> list[dic
             kept: dict[int, dict[bool, StepGraphRunner]] = {b: {} for b in budgets}
             runs: dict[int, list[dict[str, Any]]] = {b: [] for b in budgets}
             for i, first in enumerate(firsts[bs]):
-                for b in budgets[i % len(budgets):] + budgets[:i % len(budgets)]:
+                for b in round_order(budgets, i):
                     runs[b].append(profile_size(bench, bs, b, graphs, tel, temperature, first,
                                                 a.tune_tokens, kept[b]))
                     bar.update()
