@@ -59,6 +59,35 @@ def test_compiled_step_keeps_the_eager_tokens(models, params):
     assert counters["stats"]["unique_graphs"] == before + 1, "a new width compiled a second graph"
 
 
+def test_known_steps_still_find_their_own_graph(models):
+    """A known (size, shape) runs only the guards that tell graphs apart: batches of two sizes
+    and both sampling modes, taking turns on one runner, still emit what the eager step emits,
+    and no step after the first round compiles."""
+    shape = StepShape("tree", 6, BLOCK, False)
+    greedy = [SamplingParams()] * 3
+    prompts = PROMPTS + PROMPTS + PROMPTS[:2]
+    reqs = prefilled(models, make_pool(models, 128), shape, prompts,
+                     greedy + SAMPLED + greedy[:2], steps=4)
+    groups = [reqs[:3], reqs[3:6], reqs[6:]]  # four rows greedy and sampled, two greedy
+
+    def turns(runner, after_first_round=None):
+        got, rest = [], [fresh_copies(g) for g in groups]
+        for i in range(4):
+            for g in rest:
+                rec = run_steps(runner, g, 1)  # advances g's requests
+                got.append((rec.emitted, rec.accepted))
+            if i == 0 and after_first_round is not None:
+                after_first_round()
+        return got
+
+    eager = turns(runner_for(models, make_pool(models, 128), shape, [2, 4]))
+    runner = runner_for(models, make_pool(models, 128), shape, [2, 4], compile=True)
+    graphs = []
+    got = turns(runner, lambda: graphs.append(counters["stats"]["unique_graphs"]))
+    assert got == eager
+    assert len(runner.compiled) == 3 and counters["stats"]["unique_graphs"] == graphs[0]
+
+
 def test_warm_up_covers_the_common_batches(models, monkeypatch):
     """`capture` compiles, per size, exactly the shapes that all-greedy batches, greedy rows
     beside untruncated samplers, and all-untruncated batches load (a sampled budget apart)."""
