@@ -285,8 +285,9 @@ class StepGraphRunner:
 
         # A sampled step's promises come from its rows (`load`): warm up untruncated samplers
         # alone, and beside greedy rows (a mixed batch takes two rows; a sampled one three).
-        # NOTE: one more graph at one row (the lagging shape) made four sampled rows' steps 2.4%
-        # slower in bench.spec, so only a server (`lagging`) compiles it ahead.
+        # NOTE: only a server (`lagging`) compiles the lagging shape ahead; offline it costs a
+        # compile at start for a shape few jobs run (one more graph read 2.4% slower steps in
+        # bench.spec once, but across processes, whose step times differ by as much).
         alone = {"filtered": False, "topk_rows": 0, "sort_rows": 0}
         beside = {"topk_rows": 0, "sort_rows": 0}
         kinds = [("greedy", {}, 1), ("sampled", alone, 1), ("sampled", beside, 3),
