@@ -62,6 +62,14 @@ def lagging(reqs: Sequence[Request]) -> bool:
     return any(r.fed < r.cache_len for r in reqs)
 
 
+def advance(req: Request, accepted: int, drafts: bool) -> None:
+    """A step's bookkeeping for `req`: its `accepted` drafts and the bonus are committed, and a
+    step that `drafts` fed them to the drafter's cache too (one that did not leaves it lagging)."""
+    req.cache_len += accepted + 1
+    if drafts:
+        req.fed = req.cache_len
+
+
 def step_inputs(reqs: Sequence[Request], coins_per_row: int, drafts: bool = False
                 ) -> StepInputs:
     """What a step needs of `reqs`, each drawing `coins_per_row` coins from its stream; a step
@@ -231,9 +239,7 @@ class Scheduler:
         # 4. apply
         still = []
         for req, toks, acc in zip(self.running, emitted, accepted):
-            req.cache_len += acc + 1
-            if drafts:
-                req.fed = req.cache_len
+            advance(req, acc, drafts)
             req.num_steps += 1
             req.accept_lengths.append(acc + 1)
             kept = self._apply(req, toks)

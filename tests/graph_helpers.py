@@ -3,7 +3,6 @@ requests, and pool snapshots (on any device)."""
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -15,7 +14,7 @@ from engine.models.dflash import DFlashDrafter
 from engine.models.kimi import KimiForCausalLM
 from engine.request import Request
 from engine.runner import StepGraphRunner
-from engine.scheduler import Scheduler, step_inputs
+from engine.scheduler import Scheduler, advance, lagging, step_inputs
 from engine.spec import Models, StepShape
 from engine.tools.make_draft import make_draft
 from engine.tools.make_tiny import make_tiny
@@ -85,24 +84,28 @@ class StepRecord:
     accepted: list[list[int]]
 
 
-def step(runner: StepGraphRunner, reqs: list[Request], pad: bool = True
+def step(runner: StepGraphRunner, reqs: list[Request], pad: bool = True, apply: bool = False
          ) -> tuple[list[list[int]], list[int]]:
-    """One runner step over `reqs`, with their inputs made as the scheduler makes them."""
-    return runner.step(step_inputs(reqs, runner.coins_per_row(len(reqs))), pad=pad)
+    """One runner step over `reqs`, with their inputs made as the scheduler makes them; with
+    `apply`, its tokens applied to them as the scheduler applies them."""
+    drafts = runner.step_shape(len(reqs), [r.params for r in reqs], lagging(reqs)).drafts
+    emitted, accepted = runner.step(
+        step_inputs(reqs, runner.coins_per_row(len(reqs)), drafts), pad=pad)
+    if apply:
+        for r, toks, a in zip(reqs, emitted, accepted):
+            advance(r, a, drafts)
+            r.output_ids += toks
+    return emitted, accepted
 
 
 def run_steps(runner: StepGraphRunner, reqs: list[Request], steps: int,
               pad: bool = True) -> StepRecord:
     """`steps` steps, applying each step's tokens the way the scheduler does."""
     rec = StepRecord([], [])
-    reqs = copy.copy(reqs)
     for _ in range(steps):
-        emitted, accepted = step(runner, reqs, pad)
+        emitted, accepted = step(runner, reqs, pad, apply=True)
         rec.emitted.append(emitted)
         rec.accepted.append(accepted)
-        for r, toks, a in zip(reqs, emitted, accepted):
-            r.cache_len += a + 1
-            r.output_ids += toks
     return rec
 
 

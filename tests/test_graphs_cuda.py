@@ -120,10 +120,7 @@ def test_runner_step_on_graphs_matches_eager_runner(models):
         rs = fresh_copies(reqs)
         steps = []
         for _ in range(4):
-            emitted, accepted = step(runner, rs)
-            for r, t, a in zip(rs, emitted, accepted):
-                r.cache_len += a + 1
-                r.output_ids += t
+            emitted, _ = step(runner, rs, apply=True)
             steps.append(emitted)
         outs.append(steps)
     assert outs[0] == outs[1]

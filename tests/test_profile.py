@@ -6,9 +6,12 @@ import json
 
 import torch
 
+from engine.config import SamplingParams
 from engine.policy import load_budgets
+from engine.scheduler import lagging
+from engine.spec import StepShape
 from graphs import profile
-from tests.graph_helpers import write_pair
+from tests.graph_helpers import BLOCK, load_models, make_pool, prefilled, runner_for, write_pair
 
 
 def _profile(tmp_path, *args: str) -> int:
@@ -65,6 +68,22 @@ def test_profile_tune_writes_the_budget_policy(tmp_path, capsys):
         assert t["tokens"] == 4 * 7
         assert t["accept"] == 1.0 if t["budget"] == 0 else 1.0 <= t["accept"] <= 4.0
     assert "measured" in policy.read_text()
+
+
+def test_a_tune_step_keeps_sampled_rows_drafting(tmp_path):
+    """The tune applies each step as the scheduler does: a drafting step leaves the drafter's
+    cache fed, so sampled rows are never taken for lagging ones (whose batches decode plainly)
+    and every step of a budget's run drafts at that budget."""
+    models = load_models(*write_pair(tmp_path))
+    shape = StepShape("tree", 5, BLOCK, False)
+    hot = [SamplingParams(temperature=0.7, seed=s) for s in (1, 2)]
+    reqs = prefilled(models, make_pool(models), shape, [[5, 9, 300], [17] * 6], hot, steps=3)
+    runner = runner_for(models, make_pool(models), shape, [2],
+                        budgets={False: {2: 5}, True: {2: 5}})
+    for _ in range(3):
+        assert runner.step_shape(2, hot, lagging(reqs)) == StepShape("tree", 5, BLOCK, True)
+        profile._step(runner, reqs, torch.device("cpu"))
+    assert not lagging(reqs)
 
 
 def test_profile_errors_name_the_missing_thing(tmp_path, capsys):
