@@ -62,12 +62,24 @@ def lagging(reqs: Sequence[Request]) -> bool:
     return any(r.fed < r.cache_len for r in reqs)
 
 
-def advance(req: Request, accepted: int, drafts: bool) -> None:
-    """A step's bookkeeping for `req`: its `accepted` drafts and the bonus are committed, and a
-    step that `drafts` fed them to the drafter's cache too (one that did not leaves it lagging)."""
-    req.cache_len += accepted + 1
-    if drafts:
-        req.fed = req.cache_len
+def next_shape(runner: Any, reqs: Sequence[Request]) -> Any:
+    """The shape of the runner's next step over `reqs` (`StepGraphRunner.step_shape`)."""
+    return runner.step_shape(len(reqs), [r.params for r in reqs], lagging(reqs))
+
+
+def run_step(runner: Any, reqs: Sequence[Request], drafts: bool, pad: bool = False
+             ) -> tuple[list[list[int]], list[int]]:
+    """One runner step over `reqs` (one that `drafts` also brings each drafter cache the tokens
+    it lacks), with each request's cache length advanced past what it committed and, when the
+    step drafted, its drafter cache marked fed; the emitted tokens are the caller's to apply.
+    Returns the emitted tokens and the accepted-draft counts per row."""
+    emitted, accepted = runner.step(
+        step_inputs(reqs, runner.coins_per_row(len(reqs)), drafts), pad=pad)
+    for req, acc in zip(reqs, accepted):
+        req.cache_len += acc + 1
+        if drafts:
+            req.fed = req.cache_len
+    return emitted, accepted
 
 
 def step_inputs(reqs: Sequence[Request], coins_per_row: int, drafts: bool = False
@@ -226,20 +238,16 @@ class Scheduler:
         # 2. pages for what this step may write (its shape's span); preempt the newest when
         # short, and ask again: a smaller batch may take another shape
         while self.running:
-            shape = self.runner.step_shape(len(self.running), [r.params for r in self.running],
-                                           lagging(self.running))
+            shape = next_shape(self.runner, self.running)
             if self._reserve(shape.max_emit):
                 break
         if not self.running:
             return events
         # 3. the step
-        batch, drafts = self.running, shape.drafts
-        emitted, accepted = self.runner.step(
-            step_inputs(batch, self.runner.coins_per_row(len(batch)), drafts))
+        emitted, accepted = run_step(self.runner, self.running, shape.drafts)
         # 4. apply
         still = []
         for req, toks, acc in zip(self.running, emitted, accepted):
-            advance(req, acc, drafts)
             req.num_steps += 1
             req.accept_lengths.append(acc + 1)
             kept = self._apply(req, toks)

@@ -52,7 +52,7 @@ from engine.llm import compiles, load_models, model_pair, resolve_device
 from engine.policy import policy_path, write_tuned
 from engine.request import Request
 from engine.runner import CaptureError, PhaseTimer, StepGraphRunner
-from engine.scheduler import Scheduler, advance, lagging, step_inputs
+from engine.scheduler import Scheduler, next_shape, run_step
 from engine.spec import StepShape
 from graphs.telemetry import Telemetry
 
@@ -185,13 +185,12 @@ def _sync(device: torch.device) -> None:
 def _step(runner: StepGraphRunner, reqs: list[Request], device: torch.device
           ) -> tuple[float, list[list[int]]]:
     """One timed step of `reqs`, applied to them as the scheduler applies a step."""
-    drafts = runner.step_shape(len(reqs), [r.params for r in reqs], lagging(reqs)).drafts
+    drafts = next_shape(runner, reqs).drafts
     _sync(device)
     t0 = time.perf_counter()
-    out, acc = runner.step(step_inputs(reqs, runner.coins_per_row(len(reqs)), drafts))
+    out, _ = run_step(runner, reqs, drafts)
     dt = time.perf_counter() - t0
-    for r, toks, a in zip(reqs, out, acc):
-        advance(r, a, drafts)
+    for r, toks in zip(reqs, out):
         r.output_ids += toks
     return dt, out
 

@@ -14,7 +14,7 @@ from engine.models.dflash import DFlashDrafter
 from engine.models.kimi import KimiForCausalLM
 from engine.request import Request
 from engine.runner import StepGraphRunner
-from engine.scheduler import Scheduler, advance, lagging, step_inputs
+from engine.scheduler import Scheduler, next_shape, run_step, step_inputs
 from engine.spec import Models, StepShape
 from engine.tools.make_draft import make_draft
 from engine.tools.make_tiny import make_tiny
@@ -88,13 +88,12 @@ def step(runner: StepGraphRunner, reqs: list[Request], pad: bool = True, apply: 
          ) -> tuple[list[list[int]], list[int]]:
     """One runner step over `reqs`, with their inputs made as the scheduler makes them; with
     `apply`, its tokens applied to them as the scheduler applies them."""
-    drafts = runner.step_shape(len(reqs), [r.params for r in reqs], lagging(reqs)).drafts
-    emitted, accepted = runner.step(
-        step_inputs(reqs, runner.coins_per_row(len(reqs)), drafts), pad=pad)
-    if apply:
-        for r, toks, a in zip(reqs, emitted, accepted):
-            advance(r, a, drafts)
-            r.output_ids += toks
+    drafts = next_shape(runner, reqs).drafts
+    if not apply:
+        return runner.step(step_inputs(reqs, runner.coins_per_row(len(reqs)), drafts), pad=pad)
+    emitted, accepted = run_step(runner, reqs, drafts, pad)
+    for r, toks in zip(reqs, emitted):
+        r.output_ids += toks
     return emitted, accepted
 
 

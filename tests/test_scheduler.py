@@ -45,7 +45,7 @@ class FakeRunner:
         assert len(inp.pages) * PAGE >= len(inp.tokens)
         return None if inp.params is None else inp.tokens[-1] + 1
 
-    def step(self, inp: StepInputs) -> tuple[list[list[int]], list[int]]:
+    def step(self, inp: StepInputs, pad: bool = False) -> tuple[list[list[int]], list[int]]:
         self.steps.append(inp)
         span = self.step_shape(len(inp.anchor), inp.params, inp.lagging).max_emit
         for pages, n in zip(inp.pages, inp.cache_len):

@@ -107,7 +107,7 @@ class ScriptedRunner:
     def capture(self, progress: bool = True, lagging: bool = False) -> None:
         """Nothing to capture: the server calls it before serving."""
 
-    def step(self, inp: StepInputs) -> tuple[list[list[int]], list[int]]:
+    def step(self, inp: StepInputs, pad: bool = False) -> tuple[list[list[int]], list[int]]:
         out = [list(itertools.islice(self.rows[p[0]], EMIT)) or [self.eos] for p in inp.pages]
         return out, [len(o) - 1 for o in out]
 
