@@ -67,12 +67,14 @@ def next_shape(runner: Any, reqs: Sequence[Request]) -> Any:
     return runner.step_shape(len(reqs), [r.params for r in reqs], lagging(reqs))
 
 
-def run_step(runner: Any, reqs: Sequence[Request], drafts: bool, pad: bool = False
+def run_step(runner: Any, reqs: Sequence[Request], drafts: bool | None = None, pad: bool = False
              ) -> tuple[list[list[int]], list[int]]:
-    """One runner step over `reqs` (one that `drafts` also brings each drafter cache the tokens
-    it lacks), with each request's cache length advanced past what it committed and, when the
-    step drafted, its drafter cache marked fed; the emitted tokens are the caller's to apply.
-    Returns the emitted tokens and the accepted-draft counts per row."""
+    """One runner step over `reqs` (one that `drafts`, by default as its shape says, also brings
+    each drafter cache the tokens it lacks), with each request's cache length advanced past what
+    it committed and, when the step drafted, its drafter cache marked fed; the emitted tokens are
+    the caller's to apply. Returns the emitted tokens and the accepted-draft counts per row."""
+    if drafts is None:
+        drafts = next_shape(runner, reqs).drafts
     emitted, accepted = runner.step(
         step_inputs(reqs, runner.coins_per_row(len(reqs)), drafts), pad=pad)
     for req, acc in zip(reqs, accepted):

@@ -52,7 +52,7 @@ from engine.llm import compiles, load_models, model_pair, resolve_device
 from engine.policy import policy_path, write_tuned
 from engine.request import Request
 from engine.runner import CaptureError, PhaseTimer, StepGraphRunner
-from engine.scheduler import Scheduler, next_shape, run_step
+from engine.scheduler import Scheduler, run_step
 from engine.spec import StepShape
 from graphs.telemetry import Telemetry
 
@@ -185,10 +185,9 @@ def _sync(device: torch.device) -> None:
 def _step(runner: StepGraphRunner, reqs: list[Request], device: torch.device
           ) -> tuple[float, list[list[int]]]:
     """One timed step of `reqs`, applied to them as the scheduler applies a step."""
-    drafts = next_shape(runner, reqs).drafts
     _sync(device)
     t0 = time.perf_counter()
-    out, _ = run_step(runner, reqs, drafts)
+    out, _ = run_step(runner, reqs)
     dt = time.perf_counter() - t0
     for r, toks in zip(reqs, out):
         r.output_ids += toks

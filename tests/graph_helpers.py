@@ -88,10 +88,10 @@ def step(runner: StepGraphRunner, reqs: list[Request], pad: bool = True, apply: 
          ) -> tuple[list[list[int]], list[int]]:
     """One runner step over `reqs`, with their inputs made as the scheduler makes them; with
     `apply`, its tokens applied to them as the scheduler applies them."""
-    drafts = next_shape(runner, reqs).drafts
     if not apply:
-        return runner.step(step_inputs(reqs, runner.coins_per_row(len(reqs)), drafts), pad=pad)
-    emitted, accepted = run_step(runner, reqs, drafts, pad)
+        return runner.step(step_inputs(reqs, runner.coins_per_row(len(reqs)),
+                                       next_shape(runner, reqs).drafts), pad=pad)
+    emitted, accepted = run_step(runner, reqs, pad=pad)
     for r, toks in zip(reqs, emitted):
         r.output_ids += toks
     return emitted, accepted
