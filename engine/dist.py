@@ -18,6 +18,7 @@ collective, synchronizing the device around each call.
 from __future__ import annotations
 
 import atexit
+import importlib
 import itertools
 import os
 import sys
@@ -74,9 +75,10 @@ class Group:
     _count = itertools.count()
 
     def __init__(self, rank: int, world: int, device: torch.device | str = "cpu",
-                 group: Any = None, control: Any = None):
+                 control: Any = None):
+        # NOTE: the data plane is torch's default group, never held here (see init)
         self.rank, self.world, self.device = rank, world, torch.device(device)
-        self.group, self.control = group, control
+        self.control = control
         self.comm = CommStats()
         self.timed = False
         self._watchdog: _Watchdog | None = None
@@ -115,16 +117,25 @@ class Group:
             dev = torch.device("cuda", local)
             torch.cuda.set_device(dev)
         if not dist.is_initialized():
+            # NOTE: torch.distributed.nn.functional binds the default group into its functions'
+            # defaults when first imported, which torch does lazily while models are built: once
+            # the group exists, those defaults would hold it (see below) past leaving it.
+            importlib.import_module("torch.distributed.nn.functional")
+
             dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", rank=rank,
                                     world_size=world_size,
                                     timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
             # NOTE: one process may run several engines on this group, so it is left at exit,
-            # while the interpreter is whole: a gloo group left to finalization can abort the
-            # process ("terminate called without an active exception") after its work is done.
+            # while the interpreter is whole. A group alive into finalization aborts the process
+            # ("terminate called without an active exception") when one of its worker threads
+            # frees a finished collective's tensors then: it needs the GIL, and a thread taking
+            # the GIL during finalization is ended mid-destructor. A group's threads end only
+            # when its last reference goes, so engines never hold the default group (their
+            # collectives name none) and drop their control group on close.
             atexit.register(_leave_default_group)
         # NOTE: new_group is itself a collective: every rank creates its groups in one order.
         control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
-        g = cls(rank, world_size, dev, dist.group.WORLD, control)
+        g = cls(rank, world_size, dev, control)
         g._watchdog = _Watchdog(rank, world_size, f"{STORE_PREFIX}{next(cls._count)}/",
                                 heartbeat_timeout_s)
         g._watchdog.start()
@@ -138,6 +149,7 @@ class Group:
         # NOTE: CUDA graphs holding NCCL calls must be gone before this (LLM.close does that).
         if dist.is_initialized() and not self.broken and self.control is not None:
             dist.destroy_process_group(self.control)
+            self.control = None  # the last reference: its threads end now
 
     # ---- data plane -----------------------------------------------------------------------------
 
@@ -166,7 +178,7 @@ class Group:
         """Sum of `x` over ranks (in place on a contiguous `x`; returns the result)."""
         x = x.contiguous()
         self._collective("all_reduce", x.numel() * x.element_size(),
-                         lambda: dist.all_reduce(x, group=self.group))
+                         lambda: dist.all_reduce(x))
         return x
 
     def all_gather_last(self, x: Tensor) -> Tensor:
@@ -175,12 +187,12 @@ class Group:
         out = x.new_empty((self.world * x.shape[0], *x.shape[1:]))
         gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
         self._collective("all_gather", out.numel() * out.element_size(),
-                         lambda: gather(out, x, group=self.group))
+                         lambda: gather(out, x))
         return out.view(self.world, *x.shape).movedim(0, -2).reshape(*x.shape[:-1], -1)
 
     def broadcast_(self, x: Tensor, src: int = 0) -> Tensor:
         self._collective("broadcast", x.numel() * x.element_size(),
-                         lambda: dist.broadcast(x, src=src, group=self.group))
+                         lambda: dist.broadcast(x, src=src))
         return x
 
     # ---- control plane --------------------------------------------------------------------------

@@ -4,7 +4,8 @@
 
 SPEC.json: {"model", "draft", "tp", "prompts": [[ids...]], "runs": [{"mode", "budget",
 "max_new_tokens", "temperature", "top_p", "seed", "oracle"}]}. Every rank writes
-OUT_DIR/rank{r}.json with its parameter bytes per run; rank 0 also writes each run's token ids.
+OUT_DIR/rank{r}.json with its parameter bytes per run and whether its process groups were
+really freed on leaving them; rank 0 also writes each run's token ids.
 With "oracle", the drafter is the test suite's oracle (it agrees with the target often, so steps
 accept several tokens); it runs the target, so its collectives line up on every rank.
 """
@@ -13,12 +14,15 @@ from __future__ import annotations
 
 import json
 import sys
+import weakref
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 import engine.spec as spec_module
 from engine import LLM, SamplingParams
+from engine.dist import _leave_default_group
 from engine.models.layers import param_bytes
 from tests.spec_helpers import oracle_draft
 
@@ -45,7 +49,13 @@ def main() -> None:
                         "drafter_bytes": drafter,
                         "all_reduce_calls": llm.tp.comm.calls["all_reduce"],
                         "mean_accept_len": llm.stats.get("mean_accept_len", 0.0)})
+        control = weakref.ref(llm.tp.control)
         llm.close()
+        # a process group still referenced keeps its worker threads into interpreter exit
+        results[-1]["control_group_left"] = control() is None
+    world = weakref.ref(dist.group.WORLD)
+    _leave_default_group()  # what atexit runs
+    results[-1]["default_group_left"] = world() is None
     (out / f"rank{llm.tp.rank}.json").write_text(json.dumps(results))
 
 
