@@ -35,16 +35,21 @@ def route_noaux_tc(
     return idx, w * scaling
 
 
-# Every expert on every token beats per-expert dispatch on a CPU while that whole pass stays
-# under this many multiply-adds (bundled model, 8 experts of 128 x 64: up to about 40 tokens;
-# a real Kimi expert bank: never).
-DENSE_MAX_MACS = 1 << 23
+# Every expert on every token beats the other expert passes on a CPU while that whole pass
+# stays under this many multiply-adds, by the pass it replaces: eager per-expert dispatch
+# (`experts_sparse`; bundled model, 8 experts of 128 x 64: up to about 40 tokens) and the
+# fixed-shape aligned pass of compiled steps (`experts_aligned`, whose torch twin gathers each
+# block's expert weights: dense measured 2.8x faster at 48 tokens and still 1.5x at 768, one or
+# two threads; up to about 680 tokens here). A real Kimi expert bank: never.
+DENSE_MAX_MACS = {"sparse": 1 << 23, "aligned": 1 << 27}
 
 
-def dense_is_cheaper(tokens: int, experts: int, hidden: int, inter: int) -> bool:
-    """Whether `experts_dense` over `tokens` tokens costs less than `experts_sparse` on a CPU:
-    few tokens and a small expert bank, where launches, not FLOPs, set the price."""
-    return tokens * experts * 3 * hidden * inter <= DENSE_MAX_MACS
+def dense_is_cheaper(tokens: int, experts: int, hidden: int, inter: int,
+                     instead_of: str = "sparse") -> bool:
+    """Whether `experts_dense` over `tokens` tokens costs less on a CPU than the pass it would
+    replace, `instead_of` "sparse" or "aligned": few tokens and a small expert bank, where
+    launches and weight gathers, not FLOPs, set the price."""
+    return tokens * experts * 3 * hidden * inter <= DENSE_MAX_MACS[instead_of]
 
 
 def experts_dense(x: Tensor, idx: Tensor, w: Tensor, w13: Tensor, w2: Tensor) -> Tensor:

@@ -336,7 +336,7 @@ class KimiForCausalLM(nn.Module):
         moe = "sparse" if sparse_moe else "aligned"
         bank = next((b.mlp.experts for b in self.model.layers if isinstance(b.mlp, MoE)), None)
         if bank is not None and bank.fmt is None and dense_is_cheaper(
-                tokens.numel(), bank.num_experts, bank.hidden, bank.inter):
+                tokens.numel(), bank.num_experts, bank.hidden, bank.inter, moe):
             moe = "dense"
         cos, sin = self._rope(positions)
         mask = joint_mask(slots, ctx_len, visible) if prefix is None else None
