@@ -39,8 +39,8 @@ def route_noaux_tc(
 # stays under this many multiply-adds, by the pass it replaces: eager per-expert dispatch
 # (`experts_sparse`; bundled model, 8 experts of 128 x 64: up to about 40 tokens) and the
 # fixed-shape aligned pass of compiled steps (`experts_aligned`, whose torch twin gathers each
-# block's expert weights: dense measured 2.8x faster at 48 tokens and still 1.5x at 768, one or
-# two threads; up to about 680 tokens here). A real Kimi expert bank: never.
+# block's expert weights: dense measured 2.8x faster at 48 tokens and still 1.5x at 512 with one
+# thread and at 768 with two; up to about 680 tokens here). A real Kimi expert bank: never.
 DENSE_MAX_MACS = {"sparse": 1 << 23, "aligned": 1 << 27}
 
 
