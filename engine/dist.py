@@ -132,7 +132,7 @@ class Group:
             # the GIL during finalization is ended mid-destructor. A group's threads end only
             # when its last reference goes, so engines never hold the default group (their
             # collectives name none) and drop their control group on close.
-            atexit.register(_leave_default_group)
+            atexit.register(leave_default_group)
         # NOTE: new_group is itself a collective: every rank creates its groups in one order.
         control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
         g = cls(rank, world_size, dev, control)
@@ -220,7 +220,9 @@ def world_of(group: Group | None) -> int:
     return 1 if group is None else group.world
 
 
-def _leave_default_group() -> None:
+def leave_default_group() -> None:
+    """Leave torch's default group (registered at exit by `Group.init`; a second call does
+    nothing). Its threads end here only if no engine still holds it."""
     # NOTE: after a failed collective, leaving could wait on the lost peer: the process just exits.
     if dist.is_initialized() and not _GROUP_BROKEN.is_set():
         dist.destroy_process_group()

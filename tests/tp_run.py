@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 import engine.spec as spec_module
 from engine import LLM, SamplingParams
-from engine.dist import _leave_default_group
+from engine.dist import leave_default_group
 from engine.models.layers import param_bytes
 from tests.spec_helpers import oracle_draft
 
@@ -54,7 +54,7 @@ def main() -> None:
         # a process group still referenced keeps its worker threads into interpreter exit
         results[-1]["control_group_left"] = control() is None
     world = weakref.ref(dist.group.WORLD)
-    _leave_default_group()  # what atexit runs
+    leave_default_group()  # what runs at exit
     results[-1]["default_group_left"] = world() is None
     (out / f"rank{llm.tp.rank}.json").write_text(json.dumps(results))
 
