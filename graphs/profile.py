@@ -3,7 +3,7 @@
     python -m graphs.profile [--model DIR --draft DIR] [--batch-sizes 1,2,4,8] [--budget 16]
         [--mode tree|chain|ar] [--steps N] [--prompt-len T] [--temperature T] [--device cuda]
         [--output runs/profile/profile.json] [--tune --tune-budgets 0,2,4,8,16,32
-        --tune-temperature 0.7 --policy-out configs/budgets-cpu.toml] [--tp N under torchrun]
+        --tune-temperature 0.7 --policy-out configs/budgets-cpu-t2.toml] [--tp N under torchrun]
 
 For each batch size: capture time, graph memory, replay latency against the eager latency of the
 same step, time per phase (eager, synchronized at phase edges), tokens per step, and GPU
@@ -20,8 +20,8 @@ adds the all-reduce share of the eager step.
 `--tune` measures accepted length and step time per (greedy/sampled, batch size, budget), budget
 0 (plain decoding through the same step) included, and writes the budget policy
 (`engine.policy`) that maximizes tokens per second at each batch size, greedy and sampled (at
-`--tune-temperature`); with `--compile on`, the compiled step's policy
-(`configs/budgets-cpu-compiled.toml`).
+`--tune-temperature`); with `--compile on`, the compiled step's policy; on the CPU, the policy of
+its thread count (`configs/budgets-cpu-compiled-t2.toml` with `--threads 2`).
 """
 
 from __future__ import annotations
@@ -52,11 +52,21 @@ from engine.llm import compiles, load_models, model_pair, resolve_device
 from engine.policy import policy_path, write_tuned
 from engine.request import Request
 from engine.runner import CaptureError, PhaseTimer, StepGraphRunner
-from engine.scheduler import Scheduler, run_step
+from engine.scheduler import Scheduler, next_shape, run_step
 from engine.spec import StepShape
 from graphs.telemetry import Telemetry
 
 PHASES = ("draft", "build", "verify", "decide", "commit")
+# A tune runs each batch size over at least this many batches: one batch of 16 rows is 16 prompts,
+# too few to choose by (a near-tie there in 16 prompts lost 32% in bench.spec's).
+TUNE_BATCHES = 3
+
+
+def tune_prompts(a: argparse.Namespace, bs: int) -> int:
+    """How many prompts a tune runs at batch size `bs`."""
+    return max(a.tune_prompts, TUNE_BATCHES * bs)
+
+
 NO_GRAPHS = "CUDA graphs need CUDA: this profiles the eager step (no capture, no replay)"
 
 
@@ -84,12 +94,14 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--tune-temperature", type=float, default=0.7,
                     help="the temperature of the sampled table's measurements")
     ap.add_argument("--tune-prompts", type=int, default=16,
-                    help="prompts each --tune measurement runs (in batches of its size)")
+                    help="prompts each --tune measurement runs (in batches of its size, at "
+                         f"least {TUNE_BATCHES} batches)")
     ap.add_argument("--tune-tokens", type=int, default=64,
                     help="new tokens each --tune prompt decodes (every budget over the same "
                          "text; bench.spec and bench.serve decode 64)")
     ap.add_argument("--policy-out", default=None, help="where --tune writes the budget tables "
-                    "(default: configs/budgets-<device>.toml, the engine's default there)")
+                    "(default: the engine's default there, configs/budgets-<device>"
+                    "[-compiled][-t<threads> on the CPU].toml)")
     ap.add_argument("--no-progress", action="store_true")
     return ap
 
@@ -118,13 +130,14 @@ class Bench:
         self.tokens = a.prompt_len + max((a.warmup + a.steps + 2) * self.span,
                                          a.tune_tokens + 2 * self.span if a.tune else 0)
         self.max_pages = pages_needed(self.tokens, a.page_size)
+        self.held: dict[int, list[int]] = {}  # request id -> every page it may use (`_step`)
         c = target.cfg
         if self.tokens > c.max_position_embeddings:
             raise ValueError(f"--prompt-len {a.prompt_len} plus the steps run exceeds the "
                              f"model's {c.max_position_embeddings} positions")
         self.pool = self.models.kv_pool(a.page_size, 1 + max(a.batch_sizes) * self.max_pages,
                                         dtype, device)
-        n = max(*a.batch_sizes, a.tune_prompts if a.tune else 1)
+        n = max(a.batch_sizes) if not a.tune else max(tune_prompts(a, b) for b in a.batch_sizes)
         if (self.model_dir / "tiktoken.model").is_file():
             from engine.tokenizer import Tokenizer
             from engine.tools.corpus import held_out_prompts
@@ -152,7 +165,7 @@ class Bench:
     def requests(self, bs: int, runner: StepGraphRunner, temperature: float, first: int = 0
                  ) -> list[Request]:
         """`bs` prefilled requests (prompts `first ..`) on fresh pages (the pool is reused batch
-        after batch)."""
+        after batch), each holding every page its run may use in `held`."""
         a = self.a
         # a fresh scheduler (and allocator) per batch: the pool is reused batch after batch
         sch = Scheduler(runner, num_pages=self.pool.num_pages, page_size=self.pool.page_size,
@@ -164,6 +177,7 @@ class Bench:
                 temperature=temperature, seed=a.seed + i, max_new_tokens=1 << 20))
             r.output_ids += sch.prefill(r)
             sch._grow(r, self.tokens)
+            self.held[r.rid] = list(r.pages)
             reqs.append(r)
         return reqs
 
@@ -182,9 +196,15 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
-def _step(runner: StepGraphRunner, reqs: list[Request], device: torch.device
-          ) -> tuple[float, list[list[int]]]:
-    """One timed step of `reqs`, applied to them as the scheduler applies a step."""
+def _step(runner: StepGraphRunner, reqs: list[Request], device: torch.device,
+          held: dict[int, list[int]]) -> tuple[float, list[list[int]]]:
+    """One timed step of `reqs`, applied to them as the scheduler applies a step. Each row
+    sees the pages of `held` that the scheduler would have given it by now (its cache and what
+    this step may write): the page table's width, and so the context a step gathers, grows with
+    the text as it does in a served batch."""
+    span = next_shape(runner, reqs).max_emit
+    for r in reqs:
+        r.pages = held[r.rid][:pages_needed(r.cache_len + span, runner.pool.page_size)]
     _sync(device)
     t0 = time.perf_counter()
     out, _ = run_step(runner, reqs)
@@ -194,8 +214,8 @@ def _step(runner: StepGraphRunner, reqs: list[Request], device: torch.device
     return dt, out
 
 
-def _run(runner: StepGraphRunner, reqs: list[Request], warmup: int, steps: int,
-         device: torch.device, horizon: int | None = None) -> dict[str, Any]:
+def _run(runner: StepGraphRunner, reqs: list[Request], held: dict[int, list[int]], warmup: int,
+         steps: int, device: torch.device, horizon: int | None = None) -> dict[str, Any]:
     """Advance `reqs` through `warmup + steps` steps; time the last `steps`. With `horizon`,
     the warm-up steps run on a copy and the timed steps go on until every row has `horizon`
     new tokens, counting each row's steps and tokens only up to there: every budget is then
@@ -205,13 +225,13 @@ def _run(runner: StepGraphRunner, reqs: list[Request], warmup: int, steps: int,
     warm = _snapshot(reqs) if horizon is not None else reqs
     first = 0.0
     for _ in range(warmup):
-        first = first or _step(runner, warm, device)[0]
+        first = first or _step(runner, warm, device, held)[0]
     runner.timer.totals.clear()
     if tp is not None:
         tp.comm.reset()
     times, emitted, tokens, row_steps, got = [], [], 0, 0, [0] * len(reqs)
     while len(times) < steps if horizon is None else min(got) < horizon:
-        dt, out = _step(runner, reqs, device)
+        dt, out = _step(runner, reqs, device, held)
         first = first or dt
         times.append(dt)
         emitted.append(out)
@@ -245,7 +265,7 @@ def profile_size(bench: Bench, bs: int, budget: int, graphs: bool, tel: Telemetr
     tp = bench.models.tp
     if tp is not None:
         tp.timed = True  # eager only: a replayed graph's collectives are not seen
-    eager = _run(runner, _snapshot(start), a.warmup, a.steps, dev, horizon)
+    eager = _run(runner, _snapshot(start), bench.held, a.warmup, a.steps, dev, horizon)
     if tp is not None:
         tp.timed = False
     row: dict[str, Any] = {
@@ -270,7 +290,7 @@ def profile_size(bench: Bench, bs: int, budget: int, graphs: bool, tel: Telemetr
         g = kept[True]
         try:
             with tel.sampler() as smp:
-                replay = _run(g, _snapshot(start), a.warmup, a.steps, dev, horizon)
+                replay = _run(g, _snapshot(start), bench.held, a.warmup, a.steps, dev, horizon)
             stats = list(g.capture_stats.values())
             row["capture_s"] = replay["first_s"] if g.compile else sum(
                 s["seconds"] for s in stats)
@@ -320,7 +340,7 @@ def tune(bench: Bench, graphs: bool, tel: Telemetry, progress: bool) -> list[dic
 
     a = bench.a
     budgets, out = a.tune_budgets, []
-    firsts = {bs: range(0, max(a.tune_prompts, bs), bs) for bs in a.batch_sizes}
+    firsts = {bs: range(0, tune_prompts(a, bs), bs) for bs in a.batch_sizes}
     bar = tqdm(total=2 * len(budgets) * sum(map(len, firsts.values())), desc="tuning budgets",
                disable=not progress)
     for temperature in (0.0, a.tune_temperature):
@@ -422,7 +442,8 @@ def _profile(a: argparse.Namespace, bench: Bench, device: torch.device, dtype: t
         result["tp"] = bench.models.tp.world
     if a.tune:
         compiled = graphs and device.type == "cpu"
-        result.update(write_tuned(a.policy_out or policy_path(device.type, compiled), tuned, note=(
+        where = a.policy_out or policy_path(device.type, compiled, torch.get_num_threads())
+        result.update(write_tuned(where, tuned, note=(
             f"model {bench.model_dir.name}, drafter {bench.draft_dir and bench.draft_dir.name}, "
             f"{device} {dtype}, "
             f"{torch.get_num_threads()} threads, {_step_kind(device, graphs)} step time, "

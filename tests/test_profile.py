@@ -7,11 +7,20 @@ import json
 import torch
 
 from engine.config import SamplingParams
+from engine.kv_cache import pages_needed
 from engine.policy import load_budgets
 from engine.scheduler import lagging
 from engine.spec import StepShape
 from graphs import profile
-from tests.graph_helpers import BLOCK, load_models, make_pool, prefilled, runner_for, write_pair
+from tests.graph_helpers import (
+    BLOCK,
+    PAGE,
+    load_models,
+    make_pool,
+    prefilled,
+    runner_for,
+    write_pair,
+)
 
 
 def _profile(tmp_path, *args: str) -> int:
@@ -64,8 +73,9 @@ def test_profile_tune_writes_the_budget_policy(tmp_path, capsys):
     assert {(t["sample"], t["batch_size"], t["budget"]) for t in res["tune"]} == {
         (s, bs, b) for s in (False, True) for bs in (1, 2) for b in (0, 5)}
     for t in res["tune"]:
-        # every budget decodes the same 7 new tokens of each of the 4 prompts, no more
-        assert t["tokens"] == 4 * 7
+        # every budget decodes the same 7 new tokens of each of the 4 prompts (two rows: of
+        # three batches' 6, as every size runs at least three batches), no more
+        assert t["tokens"] == (4 if t["batch_size"] == 1 else 6) * 7
         assert t["accept"] == 1.0 if t["budget"] == 0 else 1.0 <= t["accept"] <= 4.0
     assert "measured" in policy.read_text()
 
@@ -80,10 +90,28 @@ def test_a_tune_step_keeps_sampled_rows_drafting(tmp_path):
     reqs = prefilled(models, make_pool(models), shape, [[5, 9, 300], [17] * 6], hot, steps=3)
     runner = runner_for(models, make_pool(models), shape, [2],
                         budgets={False: {2: 5}, True: {2: 5}})
+    held = {r.rid: list(r.pages) for r in reqs}
     for _ in range(3):
         assert runner.step_shape(2, hot, lagging(reqs)) == StepShape("tree", 5, BLOCK, True)
-        profile._step(runner, reqs, torch.device("cpu"))
+        profile._step(runner, reqs, torch.device("cpu"), held)
     assert not lagging(reqs)
+
+
+def test_a_tune_step_sees_the_pages_a_served_row_would_hold(tmp_path):
+    """A tune's request holds every page its run may use, but each step sees only those the
+    scheduler would have given it by then (its cache plus the step's span): the context a step
+    gathers grows with the text, as in a served batch, instead of being the run's widest."""
+    models = load_models(*write_pair(tmp_path))
+    shape = StepShape("tree", 5, BLOCK, False)
+    greedy = [SamplingParams(), SamplingParams()]
+    reqs = prefilled(models, make_pool(models), shape, [[5, 9, 300], [17] * 6], greedy, steps=6)
+    runner = runner_for(models, make_pool(models), shape, [2])
+    held = {r.rid: list(r.pages) for r in reqs}
+    for _ in range(3):
+        need = [pages_needed(r.cache_len + shape.max_emit, PAGE) for r in reqs]
+        assert all(n < len(held[r.rid]) for n, r in zip(need, reqs))
+        profile._step(runner, reqs, torch.device("cpu"), held)
+        assert [r.pages for r in reqs] == [held[r.rid][:n] for n, r in zip(need, reqs)]
 
 
 def test_profile_errors_name_the_missing_thing(tmp_path, capsys):
