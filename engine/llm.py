@@ -116,11 +116,13 @@ class LLM:
     """The offline engine: `LLM(model, draft, **engine knobs)` (see `EngineConfig`), or
     `LLM(config=EngineConfig(...))`. `warm_up=False` leaves capturing (or compiling) the step
     graphs to the caller, `runner.capture()` from the thread that will run the steps: a compiled
-    step's kernels keep the torch threads they were compiled with (followers still capture)."""
+    step's kernels keep the torch threads they were compiled with (followers still capture).
+    `threads`: the torch threads that thread runs with, when not this one's; on the CPU they
+    choose the shipped budget table (`engine.policy.default_policy`)."""
 
     def __init__(self, model: str | Path | None = None, draft: str | Path | None = None,
                  *, progress: bool = True, config: EngineConfig | None = None,
-                 warm_up: bool = True, **engine: Any):
+                 warm_up: bool = True, threads: int | None = None, **engine: Any):
         paths = {k: str(v) for k, v in (("model", model), ("draft", draft)) if v is not None}
         if config is None:
             config = EngineConfig(**paths, **engine)
@@ -145,7 +147,7 @@ class LLM:
         shape = StepShape(cfg.mode, DEFAULT_BUDGET if cfg.budget is None else cfg.budget, block,
                           sample=False)
         policy = None if cfg.budget is not None or cfg.mode != "tree" else (
-            cfg.budget_policy or default_policy(device.type, compiled))
+            cfg.budget_policy or default_policy(device.type, compiled, threads))
         budgets = load_budgets(policy) if policy else None
         # NOTE: the page table must cover the step that can emit the most, whatever its size
         # (a policy sets every size's budgets).

@@ -13,18 +13,21 @@ stay fixed. `python -m graphs.profile --tune` measures and writes it:
     1 = 8
 
 Each captured size takes the entry of the largest listed size not above it (sizes below every
-entry take the smallest entry). `configs/budgets-cpu.toml` (and `-cpu-compiled`), measured on the
-bundled pair, are the CPU's default policies; `configs/budgets-cuda.toml`, estimated at Kimi's
-size by `graphs.plan --cost --tune`, is CUDA's until `graphs.profile --tune` measures one there.
+entry take the smallest entry). `configs/budgets-cpu-t2.toml` and `budgets-cpu-compiled-t{1,2}.toml`
+(the compiled step's, with 1 and 2 threads), measured on the bundled pair, are the CPU's default
+policies; `configs/budgets-cuda.toml`, estimated at Kimi's size by `graphs.plan --cost --tune`,
+is CUDA's until `graphs.profile --tune` measures one there.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import tomllib
+import torch
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 TABLES = {False: "greedy", True: "sampled"}
@@ -35,17 +38,29 @@ class PolicyError(ValueError):
     pass
 
 
-def policy_path(device_type: str, compiled: bool = False) -> Path:
-    """Where the policy of a device type (and of its compiled step: its costs differ) ships;
-    `graphs.profile --tune` writes it there."""
-    return CONFIGS / f"budgets-{device_type}{'-compiled' if compiled else ''}.toml"
+def policy_path(device_type: str, compiled: bool = False, threads: int | None = None) -> Path:
+    """Where the policy of a device type ships (of its compiled step, and on the CPU of a thread
+    count: the costs of both differ); `graphs.profile --tune` writes it there."""
+    t = f"-t{threads}" if threads and device_type == "cpu" else ""
+    return CONFIGS / f"budgets-{device_type}{'-compiled' if compiled else ''}{t}.toml"
 
 
-def default_policy(device_type: str, compiled: bool = False) -> Path | None:
+def default_policy(device_type: str, compiled: bool = False, threads: int | None = None
+                   ) -> Path | None:
     """The shipped policy for a device type (the compiled step's, else the eager one's), if one
-    was measured there."""
-    return next((p for p in (policy_path(device_type, compiled), policy_path(device_type))
-                 if p.is_file()), None)
+    was measured there. A CPU's tables are each measured at one thread count (what a tree's step
+    costs against a plain one moves with the threads sharing it): the one measured nearest
+    `threads` (by default this thread's torch threads), else one that names no count."""
+    n = threads or torch.get_num_threads()
+    for c in dict.fromkeys((compiled, False)):
+        kind = f"budgets-{device_type}{'-compiled' if c else ''}"
+        counts = {int(m[1]): p for p in CONFIGS.glob(f"{kind}-t*.toml")
+                  if device_type == "cpu" and (m := re.fullmatch(rf"{kind}-t(\d+)\.toml", p.name))}
+        if counts:
+            return counts[min(counts, key=lambda k: (abs(k - n), -k))]
+        if policy_path(device_type, c).is_file():
+            return policy_path(device_type, c)
+    return None
 
 
 def _table(p: Path, name: str, table: Any) -> dict[int, int]:

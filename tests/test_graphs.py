@@ -360,29 +360,40 @@ def test_best_budgets_keep_plain_decoding_unless_a_tree_wins_by_the_margin():
     assert best_budgets(rows, margin=0.0) == {False: {1: 8, 8: 4}, True: {1: 2, 8: 4}}
 
 
-@pytest.mark.parametrize("device,compiled", [("cpu", False), ("cpu", True), ("cuda", False)])
-def test_shipped_budget_policy_reads(device, compiled):
+@pytest.mark.parametrize("device,compiled,threads", [
+    ("cpu", False, 2), ("cpu", True, 1), ("cpu", True, 2), ("cuda", False, None)])
+def test_shipped_budget_policy_reads(device, compiled, threads):
     from engine.policy import default_policy, policy_path
 
-    # the CPU's tables measured (eager and compiled), CUDA's estimated by graphs.plan --tune
-    path = default_policy(device, compiled)
-    assert path == policy_path(device, compiled)
+    # the CPU's tables measured (eager with two threads, compiled with one and two), CUDA's
+    # estimated by graphs.plan --tune
+    path = default_policy(device, compiled, threads)
+    assert path == policy_path(device, compiled, threads) and path.is_file()
     policy = load_budgets(path)
     assert policy[False] and policy[True]
     assert all(b >= 0 for t in policy.values() for b in t.values())
+    assert f"{threads} threads" in path.read_text() if threads else True
 
 
-def test_the_compiled_steps_policy_falls_back_to_the_eager_one(tmp_path, monkeypatch):
+def test_the_cpu_policy_is_the_one_measured_nearest_its_threads(tmp_path, monkeypatch):
     import engine.policy as policy
     from engine.policy import default_policy, policy_path
 
     monkeypatch.setattr(policy, "CONFIGS", tmp_path)
-    assert default_policy("cpu", True) is None
-    eager = write_budgets(policy_path("cpu"), {False: {1: 4}})
-    assert default_policy("cpu", True) == eager == tmp_path / "budgets-cpu.toml"
-    compiled = write_budgets(policy_path("cpu", True), {False: {1: 8}})
-    assert default_policy("cpu", True) == compiled == tmp_path / "budgets-cpu-compiled.toml"
-    assert default_policy("cpu") == eager
+    assert default_policy("cpu", True, 1) is None
+    plain = write_budgets(policy_path("cpu"), {False: {1: 4}})  # names no thread count
+    assert default_policy("cpu", True, 1) == plain == tmp_path / "budgets-cpu.toml"
+    eager = write_budgets(policy_path("cpu", False, 2), {False: {1: 4}})
+    assert default_policy("cpu", True, 1) == eager == tmp_path / "budgets-cpu-t2.toml"
+    one = write_budgets(policy_path("cpu", True, 1), {False: {1: 8}})
+    four = write_budgets(policy_path("cpu", True, 4), {False: {1: 2}})
+    assert one == tmp_path / "budgets-cpu-compiled-t1.toml"
+    assert [default_policy("cpu", True, n) for n in (1, 2, 3, 16)] == [one, one, four, four]
+    assert default_policy("cpu", False, 1) == eager  # the compiled tables are not the eager's
+    monkeypatch.setattr(policy.torch, "get_num_threads", lambda: 5)
+    assert default_policy("cpu", True) == four  # by default, this thread's count
+    assert default_policy("cuda") is None and policy_path("cuda", False, 2).name == \
+        "budgets-cuda.toml"
 
 
 def test_planner_runs_outside_the_step_with_the_loaded_host_inputs(models):

@@ -43,12 +43,12 @@ def main(argv: list[str] | None = None) -> None:
     add_cli_args(p, ServeConfig)
     _, engine, cfg = parse_cli(p, argv, EngineConfig, ServeConfig)
     logging.basicConfig(level=cfg.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
-    # NOTE: torch's CPU thread team belongs to the thread that first runs parallel work, and a
-    # second team (the engine thread's) beside the main thread's makes each step 2-3x slower on a
-    # small machine: the main thread loads at one thread, the engine thread gets the rest.
+    # NOTE: torch's CPU thread team belongs to the thread that first runs parallel work; a second
+    # team beside the main thread's makes each step 2-3x slower on a small machine: the main thread
+    # loads at one thread, the engine thread (warm-up, steps, the budget table's) gets the rest.
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    llm = LLM(config=compile_auto(engine, True), warm_up=False)  # warmed up by the engine thread
+    llm = LLM(config=compile_auto(engine, True), warm_up=False, threads=threads)
     if not llm.is_leader:  # tensor-parallel ranks > 0 run rank 0's model calls until it stops
         torch.set_num_threads(threads)
         try:
