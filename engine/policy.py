@@ -21,7 +21,6 @@ is CUDA's until `graphs.profile --tune` measures one there.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -53,13 +52,16 @@ def default_policy(device_type: str, compiled: bool = False, threads: int | None
     `threads` (by default this thread's torch threads), else one that names no count."""
     n = threads or torch.get_num_threads()
     for c in dict.fromkeys((compiled, False)):
-        kind = f"budgets-{device_type}{'-compiled' if c else ''}"
-        counts = {int(m[1]): p for p in CONFIGS.glob(f"{kind}-t*.toml")
-                  if device_type == "cpu" and (m := re.fullmatch(rf"{kind}-t(\d+)\.toml", p.name))}
+        uncounted = policy_path(device_type, c)
+        counts = {}
+        if device_type == "cpu":
+            for p in CONFIGS.glob(f"{uncounted.stem}-t*.toml"):
+                if (t := p.stem[len(uncounted.stem) + 2:]).isdigit():
+                    counts[int(t)] = p
         if counts:
             return counts[min(counts, key=lambda k: (abs(k - n), -k))]
-        if policy_path(device_type, c).is_file():
-            return policy_path(device_type, c)
+        if uncounted.is_file():
+            return uncounted
     return None
 
 

@@ -202,12 +202,12 @@ def _step(runner: StepGraphRunner, reqs: list[Request], device: torch.device,
     sees the pages of `held` that the scheduler would have given it by now (its cache and what
     this step may write): the page table's width, and so the context a step gathers, grows with
     the text as it does in a served batch."""
-    span = next_shape(runner, reqs).max_emit
+    shape = next_shape(runner, reqs)
     for r in reqs:
-        r.pages = held[r.rid][:pages_needed(r.cache_len + span, runner.pool.page_size)]
+        r.pages = held[r.rid][:pages_needed(r.cache_len + shape.max_emit, runner.pool.page_size)]
     _sync(device)
     t0 = time.perf_counter()
-    out, _ = run_step(runner, reqs)
+    out, _ = run_step(runner, reqs, shape.drafts)
     dt = time.perf_counter() - t0
     for r, toks in zip(reqs, out):
         r.output_ids += toks

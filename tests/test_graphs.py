@@ -393,8 +393,8 @@ def test_the_cpu_policy_is_the_one_measured_nearest_its_threads(tmp_path, monkey
     assert default_policy("cpu", False, 1) == eager  # the compiled tables are not the eager's
     monkeypatch.setattr(policy.torch, "get_num_threads", lambda: 5)
     assert default_policy("cpu", True) == four  # by default, this thread's count
-    assert default_policy("cuda") is None and policy_path("cuda", False, 2).name == \
-        "budgets-cuda.toml"
+    assert default_policy("cuda") is None
+    assert policy_path("cuda", False, 2).name == "budgets-cuda.toml"  # no counts off the CPU
 
 
 def test_planner_runs_outside_the_step_with_the_loaded_host_inputs(models):
