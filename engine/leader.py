@@ -18,7 +18,7 @@ from engine.runner import PrefillInputs, StepGraphRunner, StepInputs
 
 @dataclass
 class Prefill:
-    inputs: PrefillInputs
+    inputs: list[PrefillInputs]
 
 
 @dataclass
@@ -46,9 +46,9 @@ class AnnouncingRunner:
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
 
-    def prefill(self, inp: PrefillInputs) -> int | None:
-        self.tp.send(Prefill(inp))
-        return self.inner.prefill(inp)
+    def prefill(self, inps: list[PrefillInputs]) -> list[int | None]:
+        self.tp.send(Prefill(inps))
+        return self.inner.prefill(inps)
 
     def step(self, inp: StepInputs, pad: bool = False) -> tuple[list[list[int]], list[int]]:
         self.tp.send(Step(inp, pad))

@@ -341,22 +341,25 @@ class StepGraphRunner:
     # ---- model calls ---------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def prefill(self, inp: PrefillInputs) -> int | None:
-        """Fill the caches of `inp.pages` with `inp.tokens`; with `inp.params`, return the first
-        new token (drawn with `inp.coin` unless greedy)."""
-        logits = prefill(self.models, self.pool, inp.tokens, inp.pages)
-        p = inp.params
-        if p is None:
-            return None
+    def prefill(self, inps: Sequence[PrefillInputs]) -> list[int | None]:
+        """Fill the caches of each input's `pages` with its `tokens`, all in one forward; for
+        each with `params`, the first new token (drawn with its `coin` unless greedy)."""
+        logits = prefill(self.models, self.pool, [i.tokens for i in inps], [i.pages for i in inps])
+        return [None if inp.params is None else self._first(row, inp.params, inp.coin)
+                for row, inp in zip(logits, inps)]
+
+    @staticmethod
+    def _first(logits: Tensor, p: SamplingParams, coin: float) -> int:
+        """The token drawn from last-position `logits [V]` with `p` and uniform `coin`."""
         if p.greedy:
-            return int(logits[0, -1].argmax())
+            return int(logits.argmax())
         dev, (top_k, top_p) = logits.device, _cut(p)
-        probs = target_probs(logits[:, -1], torch.tensor([float(p.temperature)], device=dev),
+        probs = target_probs(logits[None], torch.tensor([float(p.temperature)], device=dev),
                              torch.tensor([top_k], device=dev),
                              torch.tensor([float(top_p)], device=dev),
                              **row_promises([(top_k, top_p)], logits.shape[-1]),
                              sort_if_needed=True)
-        return int(sample_from_probs(probs, torch.tensor([inp.coin], device=dev))[0])
+        return int(sample_from_probs(probs, torch.tensor([coin], device=dev))[0])
 
     def load(self, inp: StepInputs, pad: bool = False) -> tuple[StepBuffers, StepShape, int]:
         """Copy `inp` into the static buffers. A graph runs its whole captured size (padding

@@ -23,6 +23,10 @@ from engine.kv_cache import BlockAllocator, OutOfPages, pages_needed
 from engine.request import Request
 from engine.runner import PrefillInputs, StepInputs
 
+# The most tokens (each sequence padded to the batch's longest) one prefill forward takes; a
+# longer sequence is prefilled alone.
+PREFILL_TOKENS = 2048
+
 
 def stop_may_end(detok: Callable[[list[int]], str], out: list[int], new: int,
                  stops: Sequence[str]) -> bool:
@@ -163,18 +167,20 @@ class Scheduler:
 
     # ---- prefill ---------------------------------------------------------------------------------
 
-    def prefill(self, req: Request) -> list[int]:
-        """Fill the caches for the request's sequence and return its new tokens (the first
-        sampled token for a fresh request, nothing for a recomputed one)."""
-        fresh = not req.output_ids
-        seq = req.prompt_ids + req.output_ids
-        ctx = seq if fresh else seq[:-1]
-        self._grow(req, len(ctx))
-        first = self.runner.prefill(PrefillInputs(
-            ctx, list(req.pages), req.params if fresh else None,
-            req.coins(1)[0] if fresh else 0.0))
-        req.cache_len = req.fed = len(ctx)
-        return [] if first is None else [first]
+    def prefill(self, reqs: Sequence[Request]) -> list[list[int]]:
+        """Fill the caches for each request's sequence, all in one forward, and return each
+        one's new tokens (the first sampled token for a fresh request, nothing for a recomputed
+        one)."""
+        inps = []
+        for req in reqs:
+            fresh = not req.output_ids
+            seq = req.prompt_ids + req.output_ids
+            ctx = seq if fresh else seq[:-1]
+            self._grow(req, len(ctx))
+            inps.append(PrefillInputs(ctx, list(req.pages), req.params if fresh else None,
+                                      req.coins(1)[0] if fresh else 0.0))
+            req.cache_len = req.fed = len(ctx)
+        return [[] if first is None else [first] for first in self.runner.prefill(inps)]
 
     # ---- host-side token handling ------------------------------------------------------------
 
@@ -219,14 +225,22 @@ class Scheduler:
 
     def step(self) -> list[StepEvent]:
         events: list[StepEvent] = []
-        # 1. admit while there is room in the batch and the pool
-        while self.waiting and len(self.running) < self.max_batch_size:
+        # 1. admit while there is room in the batch and the pool, prefilling together as many
+        # as fit in PREFILL_TOKENS (each padded to the longest)
+        admit: list[Request] = []
+        longest = 0
+        while self.waiting and len(self.running) + len(admit) < self.max_batch_size:
             req = self.waiting[0]
             seq_len = len(req.prompt_ids) + len(req.output_ids)
             if pages_needed(seq_len + self.step_span, self.page_size) > self.alloc.num_free:
                 break
+            if admit and (len(admit) + 1) * max(longest, seq_len) > PREFILL_TOKENS:
+                break
             self.waiting.popleft()
-            new = self.prefill(req)
+            self._grow(req, seq_len - bool(req.output_ids))  # the context prefill writes
+            admit.append(req)
+            longest = max(longest, seq_len)
+        for req, new in zip(admit, self.prefill(admit) if admit else []):
             kept = self._apply(req, new)
             if req.finished:
                 self._release(req)

@@ -307,23 +307,33 @@ def commit(models: Models, pool: KVPool, buf: StepBuffers, dec: Decision, aux: T
 
 
 @torch.inference_mode()
-def prefill(models: Models, pool: KVPool, ctx: list[int], pages: list[int]) -> Tensor:
-    """Causal forward over `ctx` (positions `0 ..`) writing the target's latent rows and the
-    drafter's context K/V into `pages`; returns the last position's logits `[1, 1, V]`."""
-    T = len(ctx)
+def prefill(models: Models, pool: KVPool, ctxs: Sequence[Sequence[int]],
+            pages: Sequence[Sequence[int]]) -> Tensor:
+    """One causal forward over the sequences `ctxs` (each at positions `0 ..`, right-padded to
+    the longest: a causal token never sees the padding after it) writing each one's target
+    latent rows and drafter context K/V into its `pages`; returns each one's last-position
+    logits `[B, V]`."""
+    lens = [len(c) for c in ctxs]
+    if not lens or min(lens) == 0 or len(pages) != len(lens):
+        raise ValueError(f"prefill needs one non-empty sequence per page list, got lengths "
+                         f"{lens} and {len(pages)} page lists")
+    B, T = len(lens), max(lens)
     dev = pool.target.device
-    ids = torch.tensor(ctx, device=dev)[None]
+    ids = torch.tensor([list(c) + [0] * (T - len(c)) for c in ctxs], device=dev)
     rows: list[Tensor] = []
     target, drafter = models.target, models.drafter
-    logits, aux = target(ids, models.aux_layers, sparse_moe=True,
-                         logits_rows=torch.tensor([[T - 1]], device=dev), cache_rows_out=rows)
-    pt = torch.tensor(pages, device=dev)[None]
-    pos = torch.arange(T, device=dev)[None]
-    slots = slot_of(pt, pos, pool.page_size)[0]
-    pool.target[:, slots] = torch.stack([r[0] for r in rows]).to(pool.target.dtype)
+    last = torch.tensor(lens, device=dev)[:, None] - 1
+    logits, aux = target(ids, models.aux_layers, sparse_moe=True, logits_rows=last,
+                         cache_rows_out=rows)
+    pos = torch.arange(T, device=dev).expand(B, T)
+    real = pos < torch.tensor(lens, device=dev)[:, None]  # [B, T]
+    width = max(map(len, pages))
+    pt = torch.tensor([list(p) + [DUMMY_PAGE] * (width - len(p)) for p in pages], device=dev)
+    slots = slot_of(pt, pos, pool.page_size)[real]
+    pool.target[:, slots] = torch.stack([r[real] for r in rows]).to(pool.target.dtype)
     if drafter is not None:
-        feed_drafter(drafter, pool, aux[0], pos[0], slots)
-    return logits
+        feed_drafter(drafter, pool, aux[real], pos[real], slots)
+    return logits[:, 0]
 
 
 @torch.inference_mode()

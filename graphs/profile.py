@@ -175,7 +175,7 @@ class Bench:
         for i in range(first, first + bs):
             r = Request(i, list(self.prompts[i % len(self.prompts)]), SamplingParams(
                 temperature=temperature, seed=a.seed + i, max_new_tokens=1 << 20))
-            r.output_ids += sch.prefill(r)
+            r.output_ids += sch.prefill([r])[0]
             sch._grow(r, self.tokens)
             self.held[r.rid] = list(r.pages)
             reqs.append(r)

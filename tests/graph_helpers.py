@@ -67,7 +67,7 @@ def prefilled(models: Models, pool: KVPool, shape: StepShape, prompts: list[list
     reqs = []
     for i, (p, sp) in enumerate(zip(prompts, params)):
         r = Request(i, list(p), sp)
-        r.output_ids += sch.prefill(r)
+        r.output_ids += sch.prefill([r])[0]
         sch._grow(r, r.cache_len + steps * shape.max_emit)
         reqs.append(r)
     return reqs

@@ -270,7 +270,7 @@ def test_budget_zero_is_plain_decoding_and_the_drafter_catches_up(models):
     target_before = pool0.target.clone()
     for r in done:
         ref = make_pool(models)
-        spec.prefill(models, ref, r.prompt_ids + r.output_ids[:-1], r.pages)
+        spec.prefill(models, ref, [r.prompt_ids + r.output_ids[:-1]], [r.pages])
         slots = request_slots([r], PAGE)[:r.cache_len]
         missed = slots[len(r.prompt_ids):]
         assert missed.numel() == 4

@@ -32,6 +32,7 @@ class FakeRunner:
     def __init__(self, emit: int = 3, max_emit: int = 4):
         self.emit, self.shape = emit, FakeShape(max_emit)
         self.prefills: list[PrefillInputs] = []
+        self.prefill_calls: list[int] = []  # inputs per prefill call
         self.steps: list[StepInputs] = []
 
     def coins_per_row(self, b: int) -> int:
@@ -40,10 +41,11 @@ class FakeRunner:
     def step_shape(self, b: int, params: list, lagging: bool = False) -> FakeShape:
         return self.shape
 
-    def prefill(self, inp: PrefillInputs) -> int | None:
-        self.prefills.append(inp)
-        assert len(inp.pages) * PAGE >= len(inp.tokens)
-        return None if inp.params is None else inp.tokens[-1] + 1
+    def prefill(self, inps: list[PrefillInputs]) -> list[int | None]:
+        self.prefill_calls.append(len(inps))
+        self.prefills += inps
+        assert all(len(inp.pages) * PAGE >= len(inp.tokens) for inp in inps)
+        return [None if inp.params is None else inp.tokens[-1] + 1 for inp in inps]
 
     def step(self, inp: StepInputs, pad: bool = False) -> tuple[list[list[int]], list[int]]:
         self.steps.append(inp)
@@ -113,6 +115,26 @@ def test_batch_size_limits_admission():
     run(s)
     assert max(len(x.anchor) for x in r.steps) == 2
 
+
+
+def test_waiting_requests_are_prefilled_together_up_to_the_token_cap(monkeypatch):
+    """One prefill call takes every request admitted in a step while their padded size (rows
+    times the longest) fits the cap; a request longer than the cap goes alone."""
+    monkeypatch.setattr("engine.scheduler.PREFILL_TOKENS", 12)
+    r = FakeRunner()
+    s = scheduler(r, max_batch_size=3)
+    lens = [3, 4, 5, 2, 20, 1]
+    reqs = [req(i, [10 * i + 1] * n, max_new_tokens=2) for i, n in enumerate(lens)]
+    for x in reqs:
+        s.add(x)
+    s.step()
+    assert r.prefill_calls == [2]  # a third row would pad to 3 x 5 = 15 tokens
+    run(s)
+    # each pair finishes in one step: then [5, 2], [20] alone (two would pad to 40), [1]
+    assert r.prefill_calls == [2, 2, 1, 1]
+    assert [len(p.tokens) for p in r.prefills] == lens
+    for x in reqs:
+        assert x.output_ids == [10 * x.rid + 2, 10 * x.rid + 3]
 
 def test_each_step_reserves_only_its_own_span():
     """Pages follow the step's shape, not the widest one: rows of a plain-decoding batch hold

@@ -99,10 +99,13 @@ class ScriptedRunner:
     def step_shape(self, b: int, params: list, lagging: bool = False) -> _Shape:
         return self.shape
 
-    def prefill(self, inp: PrefillInputs) -> int | None:
-        assert inp.params is not None, "scripted requests are never preempted"
-        it = self.rows[inp.pages[0]] = iter(self.scripts.popleft())
-        return next(it, self.eos)
+    def prefill(self, inps: list[PrefillInputs]) -> list[int | None]:
+        assert all(inp.params is not None for inp in inps), "scripted requests are never preempted"
+        firsts: list[int | None] = []
+        for inp in inps:
+            it = self.rows[inp.pages[0]] = iter(self.scripts.popleft())
+            firsts.append(next(it, self.eos))
+        return firsts
 
     def capture(self, progress: bool = True, lagging: bool = False) -> None:
         """Nothing to capture: the server calls it before serving."""

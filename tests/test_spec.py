@@ -114,7 +114,7 @@ def test_commit_on_non_first_branch_matches_fresh_prefill(monkeypatch, tmp_path)
     # fresh prefill of the same tokens into a second engine
     llm2 = LLM(target, draft, mode="tree", budget=16, max_batch_size=1, progress=False)
     req2 = llm2.make_request(committed, SamplingParams(max_new_tokens=1, ignore_eos=True))
-    llm2.scheduler.prefill(req2)
+    llm2.scheduler.prefill([req2])
     ps = llm.pool.page_size
 
     def rows(pool, pages, n):
@@ -126,6 +126,35 @@ def test_commit_on_non_first_branch_matches_fresh_prefill(monkeypatch, tmp_path)
     assert (t1 - t2).abs().max().item() < 1e-4
     assert (d1 - d2).abs().max().item() < 1e-4
 
+
+
+def test_a_batched_prefill_writes_what_each_prefill_alone_writes(pair):
+    """One forward over prompts of different lengths (right-padded to the longest) fills each
+    one's target and drafter caches, and gives its last logits, as its own prefill does: the
+    padding never reaches a real row, and no write lands outside a prompt's pages."""
+    from engine import spec
+
+    target, draft = pair
+    llm = LLM(target, draft, mode="tree", budget=4, max_batch_size=4, progress=False)
+    pool, ps = llm.pool, llm.pool.page_size
+    prompts = prompts_for(768, lens=[1, 200, 7, 33], seed=5)
+    pages, first = [], 1
+    for p in prompts:
+        pages.append(list(range(first, first + -(-len(p) // ps))))
+        first += len(pages[-1])
+    pool.target.zero_()
+    pool.draft.zero_()
+    together = spec.prefill(llm.models, pool, prompts, pages)
+    rows = pool.target.clone(), pool.draft.clone()
+    pool.target.zero_()
+    pool.draft.zero_()
+    alone = torch.cat([spec.prefill(llm.models, pool, [p], [pg]) for p, pg in zip(prompts, pages)])
+    assert together.shape == (4, 768)
+    assert (together - alone).abs().max().item() < 1e-4
+    assert together.argmax(-1).tolist() == alone.argmax(-1).tolist()
+    for batched, single in zip(rows, (pool.target, pool.draft)):
+        assert (batched - single).abs().max().item() < 1e-4
+        assert batched[:, :ps].abs().max().item() == 0  # the dummy page stays untouched
 
 def _exact_first3(target_dir, prompt, T, k, p):
     """Exact distribution of the first three sampled tokens by enumeration."""
