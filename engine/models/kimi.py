@@ -279,6 +279,14 @@ class KimiForCausalLM(nn.Module):
 
     # ---- forwards --------------------------------------------------------------------------------
 
+    def dense_moe_is_cheaper(self, tokens: int, instead_of: str) -> bool:
+        """Whether every expert on each of `tokens` tokens costs less than the expert pass
+        `instead_of` ("sparse" or "aligned") for this rank's bank (`ops.moe.dense_is_cheaper`;
+        never for a quantized bank, which would dequantize whole; always without one)."""
+        bank = next((b.mlp.experts for b in self.model.layers if isinstance(b.mlp, MoE)), None)
+        return bank is None or bank.fmt is None and dense_is_cheaper(
+            tokens, bank.num_experts, bank.hidden, bank.inter, instead_of)
+
     def _rope(self, positions: Tensor) -> tuple[Tensor, Tensor]:
         return rope_cos_sin(positions, self.inv_freq, self.rope_amplitude)
 
@@ -292,9 +300,11 @@ class KimiForCausalLM(nn.Module):
         concatenated outputs of decoder layers `aux_layers` `[B, T, n * H]` (None if empty).
         When `cache_rows_out` is a list, each layer's latent cache rows `[B, T, R + P]` are
         appended to it (the prefill stores them in the paged cache). `sparse_moe` sends each
-        token through its chosen experts only (eager), else every expert runs on every token.
+        token through its chosen experts only (eager) unless every expert on every token costs
+        less (`dense_moe_is_cheaper`), else every expert runs on every token.
         """
         B, T = input_ids.shape
+        moe = "dense" if not sparse_moe or self.dense_moe_is_cheaper(B * T, "sparse") else "sparse"
         pos = torch.arange(T, device=input_ids.device).expand(B, T)
         cos, sin = self._rope(pos)
 
@@ -304,7 +314,7 @@ class KimiForCausalLM(nn.Module):
         h = self.model.embed_tokens(input_ids)
         aux = []
         for i, layer in enumerate(self.model.layers):
-            h, rows = layer(h, attend, "sparse" if sparse_moe else "dense")
+            h, rows = layer(h, attend, moe)
             if cache_rows_out is not None:
                 cache_rows_out.append(rows)
             if i in aux_layers:
@@ -334,9 +344,7 @@ class KimiForCausalLM(nn.Module):
         no logits and stops after the last aux layer (the features alone).
         """
         moe = "sparse" if sparse_moe else "aligned"
-        bank = next((b.mlp.experts for b in self.model.layers if isinstance(b.mlp, MoE)), None)
-        if bank is not None and bank.fmt is None and dense_is_cheaper(
-                tokens.numel(), bank.num_experts, bank.hidden, bank.inter, moe):
+        if self.dense_moe_is_cheaper(tokens.numel(), moe):
             moe = "dense"
         cos, sin = self._rope(positions)
         mask = joint_mask(slots, ctx_len, visible) if prefix is None else None
