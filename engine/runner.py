@@ -30,7 +30,16 @@ from torch import Tensor
 from engine.config import SamplingParams
 from engine.kv_cache import DUMMY_PAGE, KVPool
 from engine.policy import budgets_for_sizes
-from engine.spec import PADDING, Models, StepBuffers, StepShape, catch_up, prefill, spec_step
+from engine.spec import (
+    PADDING,
+    Models,
+    StepBuffers,
+    StepShape,
+    catch_up,
+    prefill,
+    prefill_forward,
+    spec_step,
+)
 from ops.sampling import row_promises, sample_from_probs, target_probs
 
 # Called before every step and every capture, outside the graph, with the host copies of the
@@ -294,18 +303,27 @@ class StepGraphRunner:
                  ("mixed", beside, 2)]
         if lagging:
             kinds += [("lagging", alone, 1), ("lagging", beside, 3)]
-        todo = list(dict.fromkeys(
+        todo: list[tuple[int, StepShape] | None] = list(dict.fromkeys(
             (bs, replace(self.shapes[(bs, kind)], **promise)) for bs in self.capture_sizes
             for kind, promise, rows in kinds if bs >= rows))
-        for bs, shape in tqdm(todo, desc="compiling steps", disable=not progress):
-            buf = self.buffers[bs].fit(shape)
-            _pad(buf.inputs(), 0)
+        if self.compiles_prefill([[0, 0]]):
+            todo.append(None)  # a lone prompt's prefill (two tokens, on the dummy page)
+        for item in tqdm(todo, desc="compiling steps", disable=not progress):
+            what = "a prompt's prefill" if item is None else \
+                f"the {item[1].mode} step at batch size {item[0]}"
             t0 = time.perf_counter()
             try:
+                if item is None:
+                    prefill(self.models, self.pool, [[0, 0]], [[DUMMY_PAGE]],
+                            _compiled_prefill(), 2)
+                    continue
+                bs, shape = item
+                buf = self.buffers[bs].fit(shape)
+                _pad(buf.inputs(), 0)
                 self._run_compiled(buf, shape, min(8, self.max_pages))
             except Exception as e:
                 raise CaptureError(
-                    f"compiling the {shape.mode} step at batch size {bs} failed: "
+                    f"compiling {what} failed: "
                     f"{type(e).__name__}: {e}. Inductor needs a C++ compiler (g++, or $CXX), "
                     f"and its cache ({os.environ.get('TORCHINDUCTOR_CACHE_DIR')}) may be deleted "
                     f"if a file there is broken; --compile off runs the step eagerly.") from e
@@ -340,13 +358,26 @@ class StepGraphRunner:
 
     # ---- model calls ---------------------------------------------------------------------------
 
-    @torch.inference_mode()
+    @torch.no_grad()
     def prefill(self, inps: Sequence[PrefillInputs]) -> list[int | None]:
         """Fill the caches of each input's `pages` with its `tokens`, all in one forward; for
         each with `params`, the first new token (drawn with its `coin` unless greedy)."""
-        logits = prefill(self.models, self.pool, [i.tokens for i in inps], [i.pages for i in inps])
+        tokens, pages = [i.tokens for i in inps], [i.pages for i in inps]
+        if self.compiles_prefill(tokens):
+            logits = prefill(self.models, self.pool, tokens, pages, _compiled_prefill(), 2)
+        else:
+            logits = prefill(self.models, self.pool, tokens, pages)
         return [None if inp.params is None else self._first(row, inp.params, inp.coin)
                 for row, inp in zip(logits, inps)]
+
+    def compiles_prefill(self, tokens: Sequence[Sequence[int]]) -> bool:
+        """Whether a prefill of `tokens` runs compiled: a lone prompt (a batch of them shares
+        one eager forward's launches) short enough for the compiled forward's dense expert
+        pass (`KimiForCausalLM.dense_moe_is_cheaper`), in a compiled single process. Its length
+        is symbolic (one graph serves them all; a one-token prompt is padded to two, as 1
+        would be a graph of its own)."""
+        return (self.compile and self.models.tp is None and len(tokens) == 1
+                and self.models.target.dense_moe_is_cheaper(max(len(tokens[0]), 2), "aligned"))
 
     @staticmethod
     def _first(logits: Tensor, p: SamplingParams, coin: float) -> int:
@@ -483,6 +514,13 @@ def _compiled_step() -> Callable[..., None]:
     buffers' shapes and the step shape (a constant). Run under `no_grad`: inference tensors
     cannot be traced."""
     return torch.compile(inspect.unwrap(spec_step), fullgraph=True)
+
+
+@functools.cache
+def _compiled_prefill() -> Callable[..., Any]:
+    """The prefill's forward (`engine.spec.prefill_forward`) compiled whole, its length
+    symbolic."""
+    return torch.compile(prefill_forward, fullgraph=True)
 
 
 def _cut(p: SamplingParams) -> tuple[int, float]:

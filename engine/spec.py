@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields, replace
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -306,34 +307,50 @@ def commit(models: Models, pool: KVPool, buf: StepBuffers, dec: Decision, aux: T
     buf.accept_nodes.copy_(dec.accept_nodes)
 
 
-@torch.inference_mode()
+def prefill_forward(target: KimiForCausalLM, ids: Tensor, last: Tensor,
+                    aux_layers: Sequence[int], sparse_moe: bool) -> tuple[Tensor, Tensor | None,
+                                                                          Tensor]:
+    """The prefill's forward over `ids [B, T]`: the logits at `last [B, 1]` (`[B, V]`), the aux
+    features `[B, T, n * H]` and every layer's cache rows `[layers, B, T, R + P]`."""
+    rows: list[Tensor] = []
+    logits, aux = target(ids, aux_layers, sparse_moe=sparse_moe, logits_rows=last,
+                         cache_rows_out=rows)
+    return logits[:, 0], aux, torch.stack(rows)
+
+
+@torch.no_grad()
 def prefill(models: Models, pool: KVPool, ctxs: Sequence[Sequence[int]],
-            pages: Sequence[Sequence[int]]) -> Tensor:
+            pages: Sequence[Sequence[int]], forward: Callable[..., Any] | None = None,
+            min_len: int = 1) -> Tensor:
     """One causal forward over the sequences `ctxs` (each at positions `0 ..`, right-padded to
-    the longest: a causal token never sees the padding after it) writing each one's target
-    latent rows and drafter context K/V into its `pages`; returns each one's last-position
-    logits `[B, V]`."""
+    the longest, and to `min_len`: a causal token never sees the padding after it) writing each
+    one's target latent rows and drafter context K/V into its `pages`; returns each one's
+    last-position logits `[B, V]`. `forward`: `prefill_forward` or a compiled one (which the
+    eager expert dispatch would break: it gets `sparse_moe=False`)."""
     lens = [len(c) for c in ctxs]
     if not lens or min(lens) == 0 or len(pages) != len(lens):
         raise ValueError(f"prefill needs one non-empty sequence per page list, got lengths "
                          f"{lens} and {len(pages)} page lists")
-    B, T = len(lens), max(lens)
+    B, T = len(lens), max(*lens, min_len)
     dev = pool.target.device
     ids = torch.tensor([list(c) + [0] * (T - len(c)) for c in ctxs], device=dev)
-    rows: list[Tensor] = []
-    target, drafter = models.target, models.drafter
     last = torch.tensor(lens, device=dev)[:, None] - 1
-    logits, aux = target(ids, models.aux_layers, sparse_moe=True, logits_rows=last,
-                         cache_rows_out=rows)
+    if forward is None:
+        logits, aux, rows = prefill_forward(models.target, ids, last, models.aux_layers, True)
+    else:
+        import torch._dynamo as dynamo
+
+        dynamo.mark_dynamic(ids, 1)
+        logits, aux, rows = forward(models.target, ids, last, models.aux_layers, False)
     pos = torch.arange(T, device=dev).expand(B, T)
     real = pos < torch.tensor(lens, device=dev)[:, None]  # [B, T]
     width = max(map(len, pages))
     pt = torch.tensor([list(p) + [DUMMY_PAGE] * (width - len(p)) for p in pages], device=dev)
     slots = slot_of(pt, pos, pool.page_size)[real]
-    pool.target[:, slots] = torch.stack([r[real] for r in rows]).to(pool.target.dtype)
-    if drafter is not None:
-        feed_drafter(drafter, pool, aux[real], pos[real], slots)
-    return logits[:, 0]
+    pool.target[:, slots] = rows[:, real].to(pool.target.dtype)
+    if models.drafter is not None:
+        feed_drafter(models.drafter, pool, aux[real], pos[real], slots)
+    return logits
 
 
 @torch.inference_mode()

@@ -14,7 +14,7 @@ from torch._dynamo.utils import counters
 
 from engine.config import EngineConfig, SamplingParams
 from engine.llm import compile_auto, compiles
-from engine.runner import StepInputs
+from engine.runner import PrefillInputs, StepInputs
 from engine.spec import StepShape
 from tests.graph_helpers import (
     BLOCK,
@@ -88,6 +88,26 @@ def test_known_steps_still_find_their_own_graph(models):
     assert len(runner.compiled) == 3 and counters["stats"]["unique_graphs"] == graphs[0]
 
 
+def test_a_lone_prompt_prefills_compiled_as_it_does_eagerly(models):
+    """A compiled runner prefills a lone prompt through one compiled forward whatever its length
+    (a one-token prompt is padded to two), writing the eager prefill's cache rows and drawing
+    its first token; prompts prefilled together stay eager."""
+    shape = StepShape("tree", 6, BLOCK, False)
+    eager = runner_for(models, make_pool(models), shape, [4])
+    runner = runner_for(models, make_pool(models), shape, [4], compile=True)
+    before = counters["stats"]["unique_graphs"]
+    for p, params in zip([[5], *PROMPTS], [SamplingParams(), *SAMPLED]):
+        assert runner.compiles_prefill([p]) and not runner.compiles_prefill([p, p])
+        assert not eager.compiles_prefill([p])
+        inp = PrefillInputs(p, [1, 2, 3, 4], params, coin=0.3)
+        assert runner.prefill([inp]) == eager.prefill([inp])
+        for got, want in ((runner.pool.target, eager.pool.target),
+                          (runner.pool.draft, eager.pool.draft)):
+            assert (got - want).abs().max().item() < 1e-4
+    # one graph for every length (none, if another test compiled it first)
+    assert counters["stats"]["unique_graphs"] <= before + 1
+
+
 def test_warm_up_covers_the_common_batches(models, monkeypatch):
     """`capture` compiles, per size, exactly the shapes that all-greedy batches, greedy rows
     beside untruncated samplers, and all-untruncated batches load (a sampled budget apart)."""
@@ -98,8 +118,12 @@ def test_warm_up_covers_the_common_batches(models, monkeypatch):
     warmed: list[tuple[int, StepShape]] = []
     monkeypatch.setattr(runner, "_run_compiled",
                         lambda buf, s, width: warmed.append((buf.anchor.shape[0], s)))
+    prefills: list[list[list[int]]] = []
+    monkeypatch.setattr("engine.runner.prefill",
+                        lambda models, pool, ctxs, *rest: prefills.append(ctxs))
     runner.capture(progress=False)
     assert len(warmed) == len(set(warmed))
+    assert prefills == [[[0, 0]]], "a lone prompt's prefill is compiled with the steps"
     greedy, hot = SamplingParams(), SamplingParams(temperature=0.7)
     loaded = set()
     for b in (1, 2, 3, 4):
