@@ -307,9 +307,8 @@ def commit(models: Models, pool: KVPool, buf: StepBuffers, dec: Decision, aux: T
     buf.accept_nodes.copy_(dec.accept_nodes)
 
 
-def prefill_forward(target: KimiForCausalLM, ids: Tensor, last: Tensor,
-                    aux_layers: Sequence[int], sparse_moe: bool) -> tuple[Tensor, Tensor | None,
-                                                                          Tensor]:
+def prefill_forward(target: KimiForCausalLM, ids: Tensor, last: Tensor, aux_layers: Sequence[int],
+                    sparse_moe: bool) -> tuple[Tensor, Tensor | None, Tensor]:
     """The prefill's forward over `ids [B, T]`: the logits at `last [B, 1]` (`[B, V]`), the aux
     features `[B, T, n * H]` and every layer's cache rows `[layers, B, T, R + P]`."""
     rows: list[Tensor] = []
