@@ -315,7 +315,7 @@ class StepGraphRunner:
             try:
                 if item is None:
                     prefill(self.models, self.pool, [[0, 0]], [[DUMMY_PAGE]],
-                            _compiled_prefill(), 2)
+                            _compiled_prefill())
                     continue
                 bs, shape = item
                 buf = self.buffers[bs].fit(shape)
@@ -364,7 +364,7 @@ class StepGraphRunner:
         each with `params`, the first new token (drawn with its `coin` unless greedy)."""
         tokens, pages = [i.tokens for i in inps], [i.pages for i in inps]
         if self.compiles_prefill(tokens):
-            logits = prefill(self.models, self.pool, tokens, pages, _compiled_prefill(), 2)
+            logits = prefill(self.models, self.pool, tokens, pages, _compiled_prefill())
         else:
             logits = prefill(self.models, self.pool, tokens, pages)
         return [None if inp.params is None else self._first(row, inp.params, inp.coin)
@@ -373,9 +373,8 @@ class StepGraphRunner:
     def compiles_prefill(self, tokens: Sequence[Sequence[int]]) -> bool:
         """Whether a prefill of `tokens` runs compiled: a lone prompt (a batch of them shares
         one eager forward's launches) short enough for the compiled forward's dense expert
-        pass (`KimiForCausalLM.dense_moe_is_cheaper`), in a compiled single process. Its length
-        is symbolic (one graph serves them all; a one-token prompt is padded to two, as 1
-        would be a graph of its own)."""
+        pass (`KimiForCausalLM.dense_moe_is_cheaper`), in a compiled single process (one graph
+        serves every length: `engine.spec.prefill`)."""
         return (self.compile and self.models.tp is None and len(tokens) == 1
                 and self.models.target.dense_moe_is_cheaper(max(len(tokens[0]), 2), "aligned"))
 

@@ -28,6 +28,13 @@ from engine.runner import PrefillInputs, StepInputs
 PREFILL_TOKENS = 2048
 
 
+def _context(req: Request) -> list[int]:
+    """The tokens a request's prefill writes: its whole sequence when fresh (its first token
+    comes from the prefill), else all but the last (the next step's anchor)."""
+    seq = req.prompt_ids + req.output_ids
+    return seq if not req.output_ids else seq[:-1]
+
+
 def stop_may_end(detok: Callable[[list[int]], str], out: list[int], new: int,
                  stops: Sequence[str]) -> bool:
     """Whether a stop string may end in the text of the `new` last tokens of `out`.
@@ -173,9 +180,7 @@ class Scheduler:
         one)."""
         inps = []
         for req in reqs:
-            fresh = not req.output_ids
-            seq = req.prompt_ids + req.output_ids
-            ctx = seq if fresh else seq[:-1]
+            fresh, ctx = not req.output_ids, _context(req)
             self._grow(req, len(ctx))
             inps.append(PrefillInputs(ctx, list(req.pages), req.params if fresh else None,
                                       req.coins(1)[0] if fresh else 0.0))
@@ -237,7 +242,7 @@ class Scheduler:
             if admit and (len(admit) + 1) * max(longest, seq_len) > PREFILL_TOKENS:
                 break
             self.waiting.popleft()
-            self._grow(req, seq_len - bool(req.output_ids))  # the context prefill writes
+            self._grow(req, len(_context(req)))  # its pages count against the next admission
             admit.append(req)
             longest = max(longest, seq_len)
         for req, new in zip(admit, self.prefill(admit) if admit else []):

@@ -319,18 +319,18 @@ def prefill_forward(target: KimiForCausalLM, ids: Tensor, last: Tensor, aux_laye
 
 @torch.no_grad()
 def prefill(models: Models, pool: KVPool, ctxs: Sequence[Sequence[int]],
-            pages: Sequence[Sequence[int]], forward: Callable[..., Any] | None = None,
-            min_len: int = 1) -> Tensor:
+            pages: Sequence[Sequence[int]], forward: Callable[..., Any] | None = None) -> Tensor:
     """One causal forward over the sequences `ctxs` (each at positions `0 ..`, right-padded to
-    the longest, and to `min_len`: a causal token never sees the padding after it) writing each
-    one's target latent rows and drafter context K/V into its `pages`; returns each one's
-    last-position logits `[B, V]`. `forward`: `prefill_forward` or a compiled one (which the
-    eager expert dispatch would break: it gets `sparse_moe=False`)."""
+    the longest: a causal token never sees the padding after it) writing each one's target
+    latent rows and drafter context K/V into its `pages`; returns each one's last-position
+    logits `[B, V]`. `forward`: `prefill_forward` or a compiled one (which the eager expert
+    dispatch would break: it gets `sparse_moe=False`; its length is symbolic, and at least 2,
+    since a length of 1 would specialize into a graph of its own)."""
     lens = [len(c) for c in ctxs]
     if not lens or min(lens) == 0 or len(pages) != len(lens):
         raise ValueError(f"prefill needs one non-empty sequence per page list, got lengths "
                          f"{lens} and {len(pages)} page lists")
-    B, T = len(lens), max(*lens, min_len)
+    B, T = len(lens), max(*lens, 1 if forward is None else 2)
     dev = pool.target.device
     ids = torch.tensor([list(c) + [0] * (T - len(c)) for c in ctxs], device=dev)
     last = torch.tensor(lens, device=dev)[:, None] - 1
