@@ -47,6 +47,18 @@ def test_drafter_learns_a_predictable_continuation(tmp_path):
     assert not drafter.training and not any(p.requires_grad for p in drafter.parameters())
 
 
+def test_drafter_mlp_width_follows_the_config(tmp_path):
+    """`--intermediate` sets each drafter layer's MLP width; by default it is twice the hidden."""
+    make_tiny(tmp_path / "t", dtype="fp32")
+    hidden = KimiForCausalLM.from_dir(tmp_path / "t", progress=False).cfg.hidden_size
+    for width, want in ((None, 2 * hidden), (3 * hidden, 3 * hidden)):
+        conf = draft_config(tmp_path / "t", layers=1, block_size=4, intermediate_size=width)
+        mlp = DFlashDrafter(DraftConfig.from_dict(conf), hidden).layers[0].mlp
+        assert conf["intermediate_size"] == want
+        assert mlp.up_proj.weight.shape == (want, hidden)
+        assert mlp.down_proj.weight.shape == (hidden, want)
+
+
 def test_target_sequences_mix_greedy_and_seeded_samples(tmp_path):
     from engine import LLM, SamplingParams
     from engine.tools.train_draft import target_sequences

@@ -37,7 +37,10 @@ def mask_token_for(target_dir: Path, cfg: ModelConfig) -> int:
 
 def draft_config(target_dir: Path, layers: int = 1, block_size: int = 8,
                  num_target_features: int = 3,
-                 target_layer_ids: list[int] | None = None) -> dict[str, Any]:
+                 target_layer_ids: list[int] | None = None,
+                 intermediate_size: int | None = None) -> dict[str, Any]:
+    """A drafter config for the target in `target_dir`: its hidden size and vocabulary, MLPs
+    `intermediate_size` wide (default twice the hidden size)."""
     cfg = ModelConfig.from_dir(target_dir)
     if target_layer_ids is None:
         target_layer_ids = spread_layer_ids(cfg.num_hidden_layers, num_target_features)
@@ -56,7 +59,7 @@ def draft_config(target_dir: Path, layers: int = 1, block_size: int = 8,
         "num_attention_heads": heads,
         "num_key_value_heads": max(1, heads // 2) if heads % 2 == 0 else heads,
         "head_dim": head_dim,
-        "intermediate_size": 2 * H,
+        "intermediate_size": intermediate_size or 2 * H,
         "rms_norm_eps": cfg.rms_norm_eps,
         "rope_theta": cfg.rope_theta,
         "rope_scaling": None,

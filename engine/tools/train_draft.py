@@ -149,6 +149,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", required=True, type=Path)
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--intermediate", type=int,
+                    help="MLP width of each drafter layer (default: twice the hidden size)")
     ap.add_argument("--target-layers", type=int, nargs="+",
                     help="target layers whose outputs feed the drafter (default: spread)")
     ap.add_argument("--prompts", type=int, default=1024, help="corpus windows to continue")
@@ -180,7 +182,8 @@ def main(argv: list[str] | None = None) -> None:
     seqs = torch.tensor(target_sequences(a.target, prompts, a.new_tokens, progress=True,
                                          sampled=a.sampled, temperature=a.temperature,
                                          seed=a.seed))
-    conf = draft_config(a.target, a.layers, a.block_size, target_layer_ids=a.target_layers)
+    conf = draft_config(a.target, a.layers, a.block_size, target_layer_ids=a.target_layers,
+                        intermediate_size=a.intermediate)
     drafter = DFlashDrafter(DraftConfig.from_dict(conf), target.cfg.hidden_size)
     if a.init:
         init_conf = DraftConfig.from_dir(a.init)
