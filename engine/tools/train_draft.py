@@ -171,6 +171,8 @@ def main(argv: list[str] | None = None) -> None:
     a = ap.parse_args(argv)
     if not 0.0 <= a.sampled <= 1.0:
         ap.error(f"--sampled must be in [0, 1], got {a.sampled}")
+    if a.intermediate is not None and a.intermediate < 1:
+        ap.error(f"--intermediate must be a positive width, got {a.intermediate}")
     if a.threads:
         torch.set_num_threads(a.threads)
     t_start = time.time()
