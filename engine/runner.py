@@ -303,31 +303,24 @@ class StepGraphRunner:
                  ("mixed", beside, 2)]
         if lagging:
             kinds += [("lagging", alone, 1), ("lagging", beside, 3)]
-        todo: list[tuple[int, StepShape] | None] = list(dict.fromkeys(
+        todo = list(dict.fromkeys(
             (bs, replace(self.shapes[(bs, kind)], **promise)) for bs in self.capture_sizes
             for kind, promise, rows in kinds if bs >= rows))
-        if self.compiles_prefill([[0, 0]]):
-            todo.append(None)  # a lone prompt's prefill (two tokens, on the dummy page)
-        for item in tqdm(todo, desc="compiling steps", disable=not progress):
-            what = "a prompt's prefill" if item is None else \
-                f"the {item[1].mode} step at batch size {item[0]}"
+        lone_prefill = self.compiles_prefill([[0, 0]])
+        bar = tqdm(total=len(todo) + lone_prefill, desc="compiling steps", disable=not progress)
+        for bs, shape in todo:
             t0 = time.perf_counter()
-            try:
-                if item is None:
-                    prefill(self.models, self.pool, [[0, 0]], [[DUMMY_PAGE]],
-                            _compiled_prefill())
-                    continue
-                bs, shape = item
+            with _compiling(f"the {shape.mode} step at batch size {bs}"):
                 buf = self.buffers[bs].fit(shape)
                 _pad(buf.inputs(), 0)
                 self._run_compiled(buf, shape, min(8, self.max_pages))
-            except Exception as e:
-                raise CaptureError(
-                    f"compiling {what} failed: "
-                    f"{type(e).__name__}: {e}. Inductor needs a C++ compiler (g++, or $CXX), "
-                    f"and its cache ({os.environ.get('TORCHINDUCTOR_CACHE_DIR')}) may be deleted "
-                    f"if a file there is broken; --compile off runs the step eagerly.") from e
             self.capture_stats[(bs, shape)] = {"seconds": time.perf_counter() - t0, "bytes": 0}
+            bar.update()
+        if lone_prefill:  # two tokens, on the dummy page
+            with _compiling("a prompt's prefill"):
+                prefill(self.models, self.pool, [[0, 0]], [[DUMMY_PAGE]], _compiled_prefill())
+            bar.update()
+        bar.close()
 
     def _run_compiled(self, buf: StepBuffers, shape: StepShape, width: int) -> None:
         """The compiled step over `buf` (every row) with a page table `width` pages wide: one
@@ -363,10 +356,8 @@ class StepGraphRunner:
         """Fill the caches of each input's `pages` with its `tokens`, all in one forward; for
         each with `params`, the first new token (drawn with its `coin` unless greedy)."""
         tokens, pages = [i.tokens for i in inps], [i.pages for i in inps]
-        if self.compiles_prefill(tokens):
-            logits = prefill(self.models, self.pool, tokens, pages, _compiled_prefill())
-        else:
-            logits = prefill(self.models, self.pool, tokens, pages)
+        logits = prefill(self.models, self.pool, tokens, pages,
+                         _compiled_prefill() if self.compiles_prefill(tokens) else None)
         return [None if inp.params is None else self._first(row, inp.params, inp.coin)
                 for row, inp in zip(logits, inps)]
 
@@ -513,6 +504,19 @@ def _compiled_step() -> Callable[..., None]:
     buffers' shapes and the step shape (a constant). Run under `no_grad`: inference tensors
     cannot be traced."""
     return torch.compile(inspect.unwrap(spec_step), fullgraph=True)
+
+
+@contextmanager
+def _compiling(what: str) -> Iterator[None]:
+    """Turn a failed compile of `what` into a `CaptureError` that says what to do."""
+    try:
+        yield
+    except Exception as e:
+        raise CaptureError(
+            f"compiling {what} failed: "
+            f"{type(e).__name__}: {e}. Inductor needs a C++ compiler (g++, or $CXX), "
+            f"and its cache ({os.environ.get('TORCHINDUCTOR_CACHE_DIR')}) may be deleted "
+            f"if a file there is broken; --compile off runs the step eagerly.") from e
 
 
 @functools.cache
