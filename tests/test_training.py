@@ -47,6 +47,36 @@ def test_drafter_learns_a_predictable_continuation(tmp_path):
     assert not drafter.training and not any(p.requires_grad for p in drafter.parameters())
 
 
+def test_draft_fit_scores_drafter_and_target_at_the_same_anchors(tmp_path, capsys):
+    """`draft_fit` puts the drafter's first drafted token and the target's own next-token top 1
+    side by side: on the target's greedy continuations the target is always right, and a drafter
+    trained on a cycle drafts it right; its loss is the training loss at those anchors."""
+    import pytest
+
+    from engine.tools.draft_fit import fit, main
+    from engine.tools.train_draft import target_sequences
+
+    t = make_tiny(tmp_path / "t", dtype="fp32")
+    target = KimiForCausalLM.from_dir(t, progress=False)
+    torch.manual_seed(0)
+    drafter = DFlashDrafter(DraftConfig.from_dict(draft_config(t, layers=1, block_size=4)),
+                            target.cfg.hidden_size)
+    g = torch.Generator().manual_seed(0)
+    greedy = torch.tensor(target_sequences(
+        t, [torch.randint(0, 700, (6,), generator=g).tolist() for _ in range(8)], 10))
+    assert fit(target, drafter, greedy, 6, anchors=4)["target_top1"] == 1.0
+    cycle = torch.tensor([11, 22, 33, 44, 55])
+    seqs = torch.stack([torch.cat([torch.randint(0, 700, (8,), generator=g),
+                                   cycle.roll(-i).repeat(6)]) for i in range(10)])
+    untrained = fit(target, drafter, seqs, 8, anchors=4)
+    train_drafter(target, drafter, seqs, 8, steps=80, lr=1e-2, seed=0)
+    trained = fit(target, drafter, seqs, 8, anchors=4)
+    assert trained["top1"] == 1.0 > untrained["top1"]
+    assert trained["loss"] < 0.3 * untrained["loss"]
+    with pytest.raises(SystemExit, match="no training.json"):
+        main(["--draft", str(tmp_path), "--target", str(t)])
+
+
 def test_drafter_mlp_width_follows_the_config(tmp_path):
     """`--intermediate` sets each drafter layer's MLP width; by default it is twice the hidden."""
     make_tiny(tmp_path / "t", dtype="fp32")

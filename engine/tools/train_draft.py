@@ -31,6 +31,11 @@ from engine.models.dflash import DFlashDrafter, DraftConfig
 from engine.models.kimi import KimiForCausalLM
 
 
+def window_seed(seed: int, i: int) -> int:
+    """The sampling seed of window `i` in a run seeded `seed`."""
+    return seed * 1_000_003 + i
+
+
 def target_sequences(target_dir: str | Path, prompts: list[list[int]], new_tokens: int,
                      batch: int = 32, progress: bool = False, sampled: float = 0.0,
                      temperature: float = 0.8, seed: int = 0) -> list[list[int]]:
@@ -43,19 +48,20 @@ def target_sequences(target_dir: str | Path, prompts: list[list[int]], new_token
     n_greedy = len(prompts) - round(sampled * len(prompts))
     params = [SamplingParams(max_new_tokens=new_tokens, ignore_eos=True) if i < n_greedy else
               SamplingParams(temperature=temperature, max_new_tokens=new_tokens,
-                             ignore_eos=True, seed=seed * 1_000_003 + i)
+                             ignore_eos=True, seed=window_seed(seed, i))
               for i in range(len(prompts))]
     outs = llm.generate(prompts, params, progress=progress)
     return [list(p) + o.token_ids for p, o in zip(prompts, outs)]
 
 
-def corpus_prompts(target_dir: Path, n: int, length: int, seed: int) -> list[list[int]]:
-    """`n` windows of `length` tokens from the corpus's train split, starting at line starts."""
+def corpus_prompts(target_dir: Path, n: int, length: int, seed: int,
+                   split: str = "train") -> list[list[int]]:
+    """`n` windows of `length` tokens from the corpus's `split`, starting at line starts."""
     from engine.tokenizer import Tokenizer
     from engine.tools import corpus
 
     tok = Tokenizer.from_dir(target_dir)
-    docs = [d for d in corpus.read_split("train") if d[1].strip()]
+    docs = [d for d in corpus.read_split(split) if d[1].strip()]
     g = random.Random(seed)
     out: list[list[int]] = []
     while len(out) < n:
@@ -76,49 +82,60 @@ def target_features(target: KimiForCausalLM, seqs: torch.Tensor, layers: tuple[i
                       for i in range(0, len(seqs), batch)])
 
 
+def block_loss(target: KimiForCausalLM, drafter: DFlashDrafter, seqs: torch.Tensor,
+               feats: torch.Tensor, sel: torch.Tensor, p: torch.Tensor, anchors: int,
+               autocast: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """The training loss of drafting from anchors `p` (`anchors` of them for each sequence of
+    `sel`, in order): the block `[s_p, MASK x L]` at positions `p .. p + L`, the context the
+    features of positions `< p`, row `j` learning `s_{p+j}`, early rows weighted up. Returns the
+    loss and, per anchor, whether the drafter's top 1 for the first drafted token is right."""
+    c = drafter.c
+    B, L = c.block_size, c.block_size - 1
+    T = seqs.shape[1]
+    pos_all = torch.arange(T)
+    # bf16 autocast (about 2x faster on CPUs with AVX512-BF16); master weights stay fp32
+    with torch.autocast(seqs.device.type, dtype=torch.bfloat16, enabled=autocast):
+        ctx = drafter.context_kv(feats[sel], pos_all.expand(len(sel), T))
+    ctx = ctx.repeat_interleave(anchors, dim=1)  # [layers, rows, T, kv]
+    rows = sel.repeat_interleave(anchors)
+    valid = pos_all[None, :] < p[:, None]
+    block = torch.full((len(rows), B), c.mask_token_id)
+    block[:, 0] = seqs[rows, p]
+    pos = p[:, None] + torch.arange(B)
+    tgt_pos = pos[:, 1:]
+    labels = torch.where(tgt_pos < T, seqs[rows[:, None], tgt_pos.clamp(max=T - 1)], -100)
+    with torch.autocast(seqs.device.type, dtype=torch.bfloat16, enabled=autocast):
+        h = drafter(target.model.embed_tokens(block).detach(), pos, ctx, valid)
+        logits = target.lm_head(h[:, 1:]).float()
+    ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1),
+                         reduction="none", ignore_index=-100).view(len(rows), L)
+    # NOTE: early rows matter most (a miss ends the path): weight them up, as DFlash does.
+    w = torch.exp(-torch.arange(L, dtype=torch.float32) / max(L / 2, 1))
+    loss = (ce * w).sum() / (w * (labels != -100)).sum()
+    return loss, logits[:, 0].argmax(-1) == labels[:, 0]
+
+
 def train_drafter(target: KimiForCausalLM, drafter: DFlashDrafter, seqs: torch.Tensor,
                   start: int, *, steps: int = 300, seqs_per_step: int = 8, anchors: int = 8,
                   lr: float = 3e-3, seed: int = 0, log_every: int = 0,
                   curve: list[tuple[int, float]] | None = None, autocast: bool = False) -> float:
-    """Train `drafter` in place on `seqs [n, T]` (equal lengths); anchors are drawn from
-    positions `>= start` (the continuation: only the target's own tokens are learned).
-    Returns the last loss."""
+    """Train `drafter` in place on `seqs [n, T]` (equal lengths) with `block_loss`; anchors are
+    drawn from positions `>= start` (the continuation: only the target's own tokens are
+    learned). Returns the last loss."""
     g = torch.Generator().manual_seed(seed)
     torch.manual_seed(seed)
-    c = drafter.c
-    B, L = c.block_size, c.block_size - 1
     n, T = seqs.shape
     if T - 1 <= start:
         raise ValueError(f"sequences of {T} tokens leave no anchor at or after {start}")
-    feats = target_features(target, seqs, c.target_layer_ids)
-    emb = target.model.embed_tokens
+    feats = target_features(target, seqs, drafter.c.target_layer_ids)
     drafter.train().requires_grad_(True)
     opt = torch.optim.AdamW(drafter.parameters(), lr=lr, weight_decay=0.01)
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=lr, total_steps=steps, pct_start=0.05)
-    # NOTE: early rows matter most (a miss ends the path): weight them up, as DFlash does.
-    w = torch.exp(-torch.arange(L, dtype=torch.float32) / max(L / 2, 1))
-    pos_all = torch.arange(T)
     t0, loss_v = time.time(), float("nan")
     for step in range(steps):
         sel = torch.randint(0, n, (seqs_per_step,), generator=g)
-        with torch.autocast(seqs.device.type, dtype=torch.bfloat16, enabled=autocast):
-            ctx = drafter.context_kv(feats[sel], pos_all.expand(seqs_per_step, T))
-        ctx = ctx.repeat_interleave(anchors, dim=1)  # [layers, rows, T, kv]
-        rows = sel.repeat_interleave(anchors)
-        p = torch.randint(start, T - 1, (len(rows),), generator=g)
-        valid = pos_all[None, :] < p[:, None]
-        block = torch.full((len(rows), B), c.mask_token_id)
-        block[:, 0] = seqs[rows, p]
-        pos = p[:, None] + torch.arange(B)
-        tgt_pos = pos[:, 1:]
-        labels = torch.where(tgt_pos < T, seqs[rows[:, None], tgt_pos.clamp(max=T - 1)], -100)
-        # bf16 autocast (about 2x faster on CPUs with AVX512-BF16); master weights stay fp32
-        with torch.autocast(seqs.device.type, dtype=torch.bfloat16, enabled=autocast):
-            h = drafter(emb(block).detach(), pos, ctx, valid)
-            logits = target.lm_head(h[:, 1:]).float()
-        ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1),
-                             reduction="none", ignore_index=-100).view(len(rows), L)
-        loss = (ce * w).sum() / (w * (labels != -100)).sum()
+        p = torch.randint(start, T - 1, (seqs_per_step * anchors,), generator=g)
+        loss, first = block_loss(target, drafter, seqs, feats, sel, p, anchors, autocast)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
@@ -126,12 +143,12 @@ def train_drafter(target: KimiForCausalLM, drafter: DFlashDrafter, seqs: torch.T
         sched.step()
         loss_v = loss.item()
         if log_every and (step % log_every == 0 or step == steps - 1):
-            acc = (logits.argmax(-1) == labels).float()[:, 0].mean().item()
             if curve is not None:
                 curve.append((step, round(loss_v, 4)))
             el = time.time() - t0
-            print(f"step {step}/{steps} loss {loss_v:.3f} top1@1 {acc:.2f} {el:.0f}s elapsed, "
-                  f"eta {el / (step + 1) * (steps - step - 1):.0f}s", flush=True)
+            print(f"step {step}/{steps} loss {loss_v:.3f} top1@1 {first.float().mean():.2f} "
+                  f"{el:.0f}s elapsed, eta {el / (step + 1) * (steps - step - 1):.0f}s",
+                  flush=True)
     drafter.eval().requires_grad_(False)
     return loss_v
 
