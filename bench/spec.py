@@ -2,20 +2,21 @@
 
     python -m bench.spec [--model DIR --draft DIR] [--budgets 4 8 16 32 64] [--threads 1]
 
-On one model (default: the bundled one) and the same prompts (held-out corpus files for the
-bundled model, never trained on), greedy at batch size 1 by default, runs our `ar`, `chain` and
-`tree` at each budget, one sampled `tree` run (temperature 0.7, budget 16) for its accepted
-length beside the perfect-drafter ceiling at that budget and temperature (`perfect_ceiling`),
-and, as peers on the same checkpoint, transformers' greedy `generate` and its prompt-lookup
-speculative decoding; then the default budget policy (`policy`: each step's budget from the
-shipped table, down to plain decoding) greedy and sampled, each against `ar` at the same
-temperature (`--policy-only` runs just those). `--compile` runs our engines' compiled step.
-Every engine is loaded once; then `--rounds` passes run all of them in turn, each pass's order
-rotated by one (`round_order`: a slow spell of a shared machine, or the warm caches of the run that
-went last, favours no run), and each reports its median pass. Prints tokens/s with the ratio to our
-`ar`, mean accepted length (tokens per step, bonus included) and time per phase; writes JSON and
-PNG plots under `runs/bench/`. `--random` uses a tiny random target and drafter instead (whose
-drafts are rarely accepted: the numbers then show the step's overhead, not a speed-up).
+On one model (default: the bundled one) and the same prompts (held-out corpus files for the bundled
+model, never trained on), greedy at batch size 1 by default, runs our `ar`, `chain` and `tree` at
+each budget, one sampled `tree` run (temperature 0.7, budget 16) for its accepted length beside the
+perfect-drafter ceiling at that budget and temperature (`perfect_ceiling`), and, as peers on the
+same checkpoint, transformers' greedy `generate` and its prompt-lookup speculative decoding; then
+the default budget policy (`policy`: each step's budget from the shipped table, down to plain
+decoding) greedy and sampled, each against `ar` at the same temperature (`--policy-only` runs just
+those). `--compile` runs our engines' compiled step. Every engine is loaded once; then `--rounds`
+passes run all of them in turn, each pass's order rotated by one (`round_order`: a slow spell of a
+shared machine, or the warm caches of the run that went last, favours no run), and each reports its
+median pass. Prints tokens/s with the ratio to our `ar` (and its 90% bootstrap interval over the
+rounds: `bench.common.ratio_interval`), mean accepted length (tokens per step, bonus included) and
+time per phase; writes JSON and PNG plots under `runs/bench/`. `--random` uses a tiny random target
+and drafter instead (whose drafts are rarely accepted: the numbers then show the step's overhead,
+not a speed-up).
 """
 
 from __future__ import annotations
@@ -30,7 +31,14 @@ from typing import Any
 
 import torch
 
-from bench.common import bench_prompts, environment, round_order, table, write_results
+from bench.common import (
+    bench_prompts,
+    environment,
+    ratio_interval,
+    round_order,
+    table,
+    write_results,
+)
 from engine.config import SamplingParams
 from engine.llm import LLM, model_pair
 
@@ -241,6 +249,9 @@ def _bench(a: argparse.Namespace) -> None:
         base = next((x for x in rows if x["mode"] == "ar" and
                      x["temperature"] == r["temperature"]), ar)
         r["speedup_vs_ar"] = r["tokens_per_s"] / base["tokens_per_s"]
+        lo, hi = ratio_interval(base["tokens_per_s_rounds"], r["tokens_per_s_rounds"])
+        r["speedup_vs_ar_90"] = [lo, hi]
+        r["x_ar_90"] = f"{lo:.2f}-{hi:.2f}" if a.rounds > 1 and r is not base else "-"
         r["same_as_ar"] = sum(o == g for o, g in zip(r["outputs"], ar["outputs"]))
         r["accept"] = f"{r['mean_accept_len']:.2f}" if r["mean_accept_len"] else "-"
         steps = r["steps"] or 0
@@ -253,7 +264,8 @@ def _bench(a: argparse.Namespace) -> None:
     hf = next((r for r in rows if r["mode"] == "hf-generate"), None)
     best = max(trees, key=lambda r: r["tokens_per_s"]) if trees else None
     print(table(rows, [("name", "run", "s"), ("tokens_per_s", "tok/s", ".1f"),
-                       ("speedup_vs_ar", "x ar", ".2f"), ("accept", "accept", "s"),
+                       ("speedup_vs_ar", "x ar", ".2f"), ("x_ar_90", "90% of x ar", "s"),
+                       ("accept", "accept", "s"),
                        ("same_as_ar", "= ar", "d"),
                        ("ms_draft", "draft", ".2f"), ("ms_build", "build", ".2f"),
                        ("ms_verify", "verify", ".2f"), ("ms_decide", "decide", ".2f"),
@@ -261,10 +273,12 @@ def _bench(a: argparse.Namespace) -> None:
                        ("ms_host", "host", ".2f"),
                        ("ms_prefill+sched", "prefill", ".2f")]))
     print("(phase columns: milliseconds per step; '= ar': outputs identical to our ar of "
-          f"{len(prompts)})")
+          f"{len(prompts)}; '90% of x ar': a bootstrap interval over the rounds)")
     summary: dict[str, Any] = {  # "policy_vs_ar", "policy_vs_ar T=0.7"
         "policy_vs_ar" + r["name"].removeprefix("policy"): r["speedup_vs_ar"]
         for r in rows if r["name"].startswith("policy")}
+    summary.update({"policy_vs_ar_90" + r["name"].removeprefix("policy"): r["speedup_vs_ar_90"]
+                    for r in rows if r["name"].startswith("policy") and a.rounds > 1})
     if best is not None:
         summary.update(best_tree=best["name"], best_vs_ar=best["speedup_vs_ar"])
         if hf is not None:
@@ -282,7 +296,8 @@ def _bench(a: argparse.Namespace) -> None:
             if cap is not None:
                 summary["ceiling_tree16_sampled"] = cap
                 summary["sampled_vs_ceiling"] = hot["mean_accept_len"] / cap
-    print("  ".join(f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}"
+    print("  ".join(f"{k} {v:.2f}" if isinstance(v, float) else
+                    f"{k} {v[0]:.2f}-{v[1]:.2f}" if isinstance(v, list) else f"{k} {v}"
                     for k, v in summary.items()))
 
     def plot(fig):

@@ -1,16 +1,18 @@
 """`python -m bench.spec` end to end on a tiny random pair: every run appears once per round,
 greedy outputs of every mode equal ar's, and the JSON and plot are written; and its
-perfect-drafter ceiling; and the order of the interleaved runs."""
+perfect-drafter ceiling; the order of the interleaved runs; and the interval of a ratio."""
 
 from __future__ import annotations
 
 import json
+import random
+import statistics
 from pathlib import Path
 
 import pytest
 
 from bench import spec
-from bench.common import round_order
+from bench.common import ratio_interval, round_order
 
 
 def test_bench_spec_random_pair(tmp_path: Path) -> None:
@@ -32,6 +34,8 @@ def test_bench_spec_random_pair(tmp_path: Path) -> None:
     assert hot["speedup_vs_ar"] == pytest.approx(hot["tokens_per_s"] /
                                                  runs["ar T=0.7"]["tokens_per_s"])
     assert data["summary"]["policy_vs_ar T=0.7"] == hot["speedup_vs_ar"]
+    lo, hi = hot["speedup_vs_ar_90"]
+    assert data["summary"]["policy_vs_ar_90 T=0.7"] == [lo, hi] and lo <= hi
     assert (tmp_path / "spec.png").stat().st_size > 0
 
 
@@ -42,6 +46,24 @@ def test_bench_spec_policy_only(tmp_path: Path) -> None:
     data = json.loads((tmp_path / "spec.json").read_text())
     assert [r["name"] for r in data["runs"]] == ["ar", "policy", "ar T=0.7", "policy T=0.7"]
     assert set(data["summary"]) == {"policy_vs_ar", "policy_vs_ar T=0.7"}
+
+
+def test_ratio_interval_brackets_the_ratio_of_medians() -> None:
+    """The bootstrap interval of a paired ratio: exact when every round agrees, around the ratio
+    of medians when rounds scatter, wider with fewer rounds, and the same on every call."""
+    base = [100.0, 90.0, 110.0, 95.0, 105.0, 80.0, 120.0]
+    assert ratio_interval(base, base) == (1.0, 1.0)
+    assert ratio_interval(base, [2 * x for x in base]) == pytest.approx((2.0, 2.0))
+    g = random.Random(1)
+    a = [100 * g.uniform(0.8, 1.2) for _ in range(41)]
+    b = [x * g.uniform(0.9, 1.1) for x in a]
+    lo, hi = ratio_interval(a, b)
+    assert lo < statistics.median(b) / statistics.median(a) < hi
+    lo5, hi5 = ratio_interval(a[:5], b[:5])
+    assert hi5 - lo5 > hi - lo
+    assert ratio_interval(a, b) == (lo, hi)
+    with pytest.raises(ValueError, match="paired rounds"):
+        ratio_interval(a, b[:-1])
 
 
 def test_perfect_ceiling_bounds(tmp_path: Path) -> None:
