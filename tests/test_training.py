@@ -75,6 +75,11 @@ def test_draft_fit_scores_drafter_and_target_at_the_same_anchors(tmp_path, capsy
     assert trained["loss"] < 0.3 * untrained["loss"]
     with pytest.raises(SystemExit, match="no training.json"):
         main(["--draft", str(tmp_path), "--target", str(t)])
+    from engine.llm import DEFAULT_DRAFT
+
+    with pytest.raises(SystemExit):
+        main(["--draft", str(DEFAULT_DRAFT), "--n", "2000"])
+    assert "--n must be in 1..1536" in capsys.readouterr().err
 
 
 def test_drafter_mlp_width_follows_the_config(tmp_path):

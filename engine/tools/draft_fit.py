@@ -72,6 +72,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--anchors", type=int, default=8, help="anchor positions per sequence")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     a = ap.parse_args(argv)
+    if a.anchors < 1:
+        ap.error(f"--anchors must be at least 1, got {a.anchors}")
     record_path = a.draft / "training.json"
     if not record_path.is_file():
         raise SystemExit(f"--draft {a.draft}: no training.json to read its data recipe from")
@@ -80,8 +82,8 @@ def main(argv: list[str] | None = None) -> None:
     n_sampled = round(data["sampled"] * data["prompts"])
     n_greedy = data["prompts"] - n_sampled
     if not 1 <= a.n <= (min(n_greedy, n_sampled) if n_sampled else n_greedy):
-        raise SystemExit(f"--n {a.n}: the stage has {n_greedy} greedy and {n_sampled} sampled "
-                         "continuations")
+        ap.error(f"--n must be in 1..{min(n_greedy, n_sampled) if n_sampled else n_greedy}: the "
+                 f"stage has {n_greedy} greedy and {n_sampled} sampled continuations, got {a.n}")
     if a.threads:
         torch.set_num_threads(a.threads)
     target = KimiForCausalLM.from_dir(a.target, progress=False)
