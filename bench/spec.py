@@ -249,9 +249,10 @@ def _bench(a: argparse.Namespace) -> None:
         base = next((x for x in rows if x["mode"] == "ar" and
                      x["temperature"] == r["temperature"]), ar)
         r["speedup_vs_ar"] = r["tokens_per_s"] / base["tokens_per_s"]
-        lo, hi = ratio_interval(base["tokens_per_s_rounds"], r["tokens_per_s_rounds"])
-        r["speedup_vs_ar_90"] = [lo, hi]
-        r["x_ar_90"] = f"{lo:.2f}-{hi:.2f}" if a.rounds > 1 and r is not base else "-"
+        iv = (ratio_interval(base["tokens_per_s_rounds"], r["tokens_per_s_rounds"])
+              if a.rounds > 1 and r is not base else None)
+        r["speedup_vs_ar_90"] = list(iv) if iv else None
+        r["x_ar_90"] = f"{iv[0]:.2f}-{iv[1]:.2f}" if iv else "-"
         r["same_as_ar"] = sum(o == g for o, g in zip(r["outputs"], ar["outputs"]))
         r["accept"] = f"{r['mean_accept_len']:.2f}" if r["mean_accept_len"] else "-"
         steps = r["steps"] or 0
@@ -278,7 +279,7 @@ def _bench(a: argparse.Namespace) -> None:
         "policy_vs_ar" + r["name"].removeprefix("policy"): r["speedup_vs_ar"]
         for r in rows if r["name"].startswith("policy")}
     summary.update({"policy_vs_ar_90" + r["name"].removeprefix("policy"): r["speedup_vs_ar_90"]
-                    for r in rows if r["name"].startswith("policy") and a.rounds > 1})
+                    for r in rows if r["name"].startswith("policy") and r["speedup_vs_ar_90"]})
     if best is not None:
         summary.update(best_tree=best["name"], best_vs_ar=best["speedup_vs_ar"])
         if hf is not None:

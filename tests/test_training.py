@@ -5,9 +5,11 @@ from __future__ import annotations
 import json
 import shlex
 
+import pytest
 import torch
 
 from engine.config import DraftConfig
+from engine.llm import DEFAULT_DRAFT
 from engine.models.dflash import DFlashDrafter
 from engine.models.kimi import KimiForCausalLM
 from engine.tools import corpus
@@ -51,8 +53,6 @@ def test_draft_fit_scores_drafter_and_target_at_the_same_anchors(tmp_path, capsy
     """`draft_fit` puts the drafter's first drafted token and the target's own next-token top 1
     side by side: on the target's greedy continuations the target is always right, and a drafter
     trained on a cycle drafts it right; its loss is the training loss at those anchors."""
-    import pytest
-
     from engine.tools.draft_fit import fit, main
     from engine.tools.train_draft import target_sequences
 
@@ -75,8 +75,6 @@ def test_draft_fit_scores_drafter_and_target_at_the_same_anchors(tmp_path, capsy
     assert trained["loss"] < 0.3 * untrained["loss"]
     with pytest.raises(SystemExit, match="no training.json"):
         main(["--draft", str(tmp_path), "--target", str(t)])
-    from engine.llm import DEFAULT_DRAFT
-
     with pytest.raises(SystemExit):
         main(["--draft", str(DEFAULT_DRAFT), "--n", "2000"])
     assert "--n must be in 1..1536" in capsys.readouterr().err

@@ -81,9 +81,10 @@ def main(argv: list[str] | None = None) -> None:
     data, seed = rec["data"], rec["seed"]
     n_sampled = round(data["sampled"] * data["prompts"])
     n_greedy = data["prompts"] - n_sampled
-    if not 1 <= a.n <= (min(n_greedy, n_sampled) if n_sampled else n_greedy):
-        ap.error(f"--n must be in 1..{min(n_greedy, n_sampled) if n_sampled else n_greedy}: the "
-                 f"stage has {n_greedy} greedy and {n_sampled} sampled continuations, got {a.n}")
+    most = min(n_greedy, n_sampled) if n_sampled else n_greedy
+    if not 1 <= a.n <= most:
+        ap.error(f"--n must be in 1..{most}: the stage has {n_greedy} greedy and {n_sampled} "
+                 f"sampled continuations, got {a.n}")
     if a.threads:
         torch.set_num_threads(a.threads)
     target = KimiForCausalLM.from_dir(a.target, progress=False)
