@@ -39,7 +39,6 @@ def measure(bs: int, budget: int, args: argparse.Namespace, g: torch.Generator) 
     top_k = torch.full((bs,), 50, device=dev, dtype=torch.int64)
     top_p = torch.full((bs,), 0.95, device=dev)
     coins = torch.rand(bs, n, generator=g).to(dev)
-    final = torch.rand(bs, generator=g).to(dev)
     tree = build_ddtree(logits, budget, anchor)
     probs = target_probs(target_logits, temp, top_k, top_p)
     argmax = target_logits.argmax(-1)
@@ -58,7 +57,7 @@ def measure(bs: int, budget: int, args: argparse.Namespace, g: torch.Generator) 
         lambda: target_probs(target_logits, temp, top_k, top_p), **rep
     )
     row["sample_ms"] = 1e3 * time_fn(
-        lambda: tree_sample(*links, probs, coins, final, max_accept=depth), **rep
+        lambda: tree_sample(*links, probs, coins, max_accept=depth), **rep
     )
     row["greedy_ms"] = 1e3 * time_fn(lambda: tree_greedy(*links, argmax, max_accept=depth), **rep)
     row["sample_over_greedy"] = row["sample_ms"] / row["greedy_ms"]

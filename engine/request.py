@@ -22,12 +22,14 @@ class Request:
     finish_reason: str | None = None
     text_end: int | None = None  # where a stop string cut the text, if one did
     rng: random.Random = field(init=False, repr=False)
+    drawn: list[float] = field(init=False, repr=False)  # coins of output positions 0, 1, ...
 
     def __post_init__(self) -> None:
         # NOTE: one stream per request, so a seeded request draws the same coins whatever
         # else shares its batch.
         seed = self.params.seed if self.params.seed is not None else random.getrandbits(63)
         self.rng = random.Random(seed)
+        self.drawn = []
 
     @property
     def anchor(self) -> int:
@@ -39,16 +41,23 @@ class Request:
         return self.finish_reason is not None
 
     def fork(self) -> Request:
-        """The same tokens, pages and cache length, with the coin stream restarted from the
-        seed (so two runs from one state draw equal coins)."""
+        """The same tokens, pages, cache length and coins (so two runs from one state draw
+        equal tokens)."""
         c = Request(self.rid, list(self.prompt_ids), self.params)
         c.output_ids, c.pages = list(self.output_ids), list(self.pages)
         c.cache_len, c.fed = self.cache_len, self.fed
+        c.rng.setstate(self.rng.getstate())
+        c.drawn = list(self.drawn)
         return c
 
-    def coins(self, n: int) -> list[float]:
-        """`n` uniforms in [0, 1) from this request's own stream (none drawn when greedy).
+    def coins(self, start: int, n: int) -> list[float]:
+        """The uniforms in [0, 1) of output positions `start .. start + n - 1` (zeros when
+        greedy). Each position has one coin, the request stream's draw number `position`,
+        whichever step reads it and however often: the token at a position is drawn with its
+        coin in every mode, so a seeded request emits the same tokens with or without drafts.
         NOTE: 24 random bits each, so every value is exact in float32 and below 1 there too."""
         if self.params.greedy:
             return [0.0] * n
-        return [self.rng.getrandbits(24) / (1 << 24) for _ in range(n)]
+        while len(self.drawn) < start + n:
+            self.drawn.append(self.rng.getrandbits(24) / (1 << 24))
+        return self.drawn[start:start + n]

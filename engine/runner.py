@@ -60,8 +60,8 @@ log = logging.getLogger("engine.runner")
 class StepInputs:
     """One step's inputs for `b` requests, as host values. Each row owns pages up to
     `cache_len + S` (S: the most tokens this step's shape emits, `max_emit`) and brings
-    `coins_per_row(b)` uniforms from its own stream (one per tree node, then one for the bonus
-    token; zeros when greedy).
+    `coins_per_row(b)` uniforms: the coins of the output positions this step may fill, in order
+    (`Request.coins`; zeros when greedy).
     `lag` (for a step that `drafts`; empty: none) holds each row's last committed tokens whose
     drafter context plain-decoding steps left out; the step catches them up first. `lagging`
     says whether any row has such tokens (the step's shape depends on it)."""
@@ -192,10 +192,10 @@ class StepGraphRunner:
         return max(self.shapes.values(), key=lambda s: (s.max_emit, s.budget))
 
     def coins_per_row(self, b: int) -> int:
-        """Uniforms a step of `b` rows draws per row: one per node of the widest sampling tree,
-        one for the bonus (a greedy step draws them too and reads none)."""
+        """Uniforms a step of `b` rows takes per row: one per position the widest sampling shape
+        may emit (a greedy step takes them too and reads none)."""
         size = self.padded_size(b)
-        return max(self.shapes[(size, k)].num_nodes for k in ("mixed", "sampled")) + 1
+        return max(self.shapes[(size, k)].max_emit for k in KINDS if k != "greedy")
 
     def step_shape(self, b: int, params: Sequence[SamplingParams], lagging: bool = False
                    ) -> StepShape:
@@ -415,7 +415,7 @@ class StepGraphRunner:
                 raise ValueError(f"row {i} holds {len(pages)} pages; the step's page table has "
                                  f"{self.max_pages}")
             pt[i, :len(pages)] = torch.tensor(pages, dtype=torch.int64)
-        N = shape.num_nodes
+        S = shape.max_emit
         coins = torch.tensor(inp.coins, dtype=torch.float32).view(b, -1)
         p = inp.params
         host["anchor"][:b] = torch.tensor(inp.anchor)
@@ -424,8 +424,7 @@ class StepGraphRunner:
         host["top_k"][:b] = torch.tensor([k for k, _ in cuts])
         host["top_p"][:b] = torch.tensor([q for _, q in cuts])
         if shape.sample:  # a greedy step reads no coins
-            host["coins"][:b, :N] = coins[:, :N]
-            host["final_coins"][:b] = coins[:, N]
+            host["coins"][:b, :S] = coins[:, :S]
         _pad(host, b)
         for k, dst in self.buffers[size].inputs().items():
             if dst is not host[k]:

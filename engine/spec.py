@@ -37,7 +37,7 @@ class StepShape:
     mode: str  # "tree", "chain" or "ar"
     budget: int  # tree nodes besides the root (tree mode; 0: plain decoding, drafter fed)
     block_size: int  # drafter block (anchor + L drafts); unused in ar mode
-    sample: bool  # rejection sampling (True) or the greedy walk (False)
+    sample: bool  # tree sampling (True) or the greedy walk (False)
     # Some row may use top-k/top-p (sampling only). False skips the vocabulary sort; a captured
     # sampling graph keeps True, which serves every mix of rows.
     filtered: bool = True
@@ -87,7 +87,7 @@ class StepShape:
 # the dummy page, so every kernel treats them as ordinary rows while their writes land on the
 # dummy page; they sample greedily (temperature 1, top-k 1) and draw no coins.
 PADDING = {"anchor": 0, "cache_len": 0, "page_table": DUMMY_PAGE, "temperature": 1.0,
-           "top_k": 1, "top_p": 1.0, "coins": 0.0, "final_coins": 0.0}
+           "top_k": 1, "top_p": 1.0, "coins": 0.0}
 
 
 @dataclass
@@ -101,8 +101,7 @@ class StepBuffers:
     temperature: Tensor  # [bs] f32 (greedy rows: 1)
     top_k: Tensor  # [bs] int64 (greedy rows: 1; off: 0)
     top_p: Tensor  # [bs] f32
-    coins: Tensor  # [bs, N] f32 uniform, one per tree node (used at parents)
-    final_coins: Tensor  # [bs] f32 uniform, for the bonus token
+    coins: Tensor  # [bs, S] f32 uniform, one per position a step may emit (depth 0 first)
     # scratch: the verify forward's own latent rows, read by the commit
     tree_kv: Tensor  # [layers, bs, N, R + P]
     # outputs, read back by the host
@@ -125,8 +124,7 @@ class StepBuffers:
             temperature=torch.ones(bs, **z),
             top_k=torch.ones(bs, dtype=torch.int64, **z),
             top_p=torch.ones(bs, **z),
-            coins=torch.zeros(bs, N, **z),
-            final_coins=torch.zeros(bs, **z),
+            coins=torch.zeros(bs, S, **z),
             tree_kv=torch.zeros(c.num_hidden_layers, bs, N, c.kv_cache_dim,
                                 dtype=target.lm_head.weight.dtype, **z),
             emit=torch.full((bs, S), -1, dtype=torch.int64, **z),
@@ -142,7 +140,7 @@ class StepBuffers:
     def fit(self, shape: StepShape) -> StepBuffers:
         """Views as wide as `shape`'s nodes and emits (buffers serve every shape of a size)."""
         N, S = shape.num_nodes, shape.max_emit
-        return replace(self, coins=self.coins[:, :N], tree_kv=self.tree_kv[:, :, :N],
+        return replace(self, coins=self.coins[:, :S], tree_kv=self.tree_kv[:, :, :N],
                        emit=self.emit[:, :S], accept_nodes=self.accept_nodes[:, :S])
 
     def inputs(self) -> dict[str, Tensor]:
@@ -274,8 +272,10 @@ def decide(logits: Tensor, tree: DDTree, buf: StepBuffers, shape: StepShape) -> 
     probs = target_probs(logits, buf.temperature, buf.top_k, buf.top_p, shape.filtered,
                          topk_rows=shape.topk_rows, sort_rows=shape.sort_rows,
                          sort_if_needed=shape.sort_if_needed)
-    return tree_sample(tree.tokens, tree.next_token, tree.next_sibling, probs, buf.coins,
-                       buf.final_coins, max_accept=L)
+    # A node at depth d draws the token of the step's d-th position, with that position's coin.
+    coins = buf.coins.gather(1, tree.depth.clamp(max=buf.coins.shape[1] - 1))
+    return tree_sample(tree.tokens, tree.next_token, tree.next_sibling, probs, coins,
+                       max_accept=L)
 
 
 def feed_drafter(drafter: DFlashDrafter, pool: KVPool, feats: Tensor, positions: Tensor,

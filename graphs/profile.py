@@ -259,7 +259,7 @@ def profile_size(bench: Bench, bs: int, budget: int, graphs: bool, tel: Telemetr
     if False not in kept:
         kept[False] = bench.runner([bs], budget, use_graphs=False)
     runner = kept[False]
-    # NOTE: both runs start from this state with fresh coin streams, so they must agree.
+    # NOTE: both runs start from this state with the same coins, so they must agree.
     start = _snapshot(bench.requests(bs, runner, temperature, first))
     runner.timer = PhaseTimer(sync=dev.type == "cuda")
     tp = bench.models.tp

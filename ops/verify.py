@@ -1,9 +1,11 @@
-"""Decide: greedy tree walk and target-only tree rejection sampling, one output contract.
+"""Decide: the greedy tree walk and tree sampling, one walk and one output contract.
 
-Trees arrive in left-child right-sibling form (`next_token`, `next_sibling`, any node order). Both
-decisions first turn the links into a parent and a sibling rank per node (pointer doubling, log2 N
-rounds), mark the nodes the walk would accept if it reached their parent, and then walk from the
-root one depth per iteration: every step is a single gather, no loop over requests or nodes.
+Trees arrive in left-child right-sibling form (`next_token`, `next_sibling`, any node order). The
+walk first turns the links into a parent and a sibling rank per node (pointer doubling, log2 N
+rounds), marks the nodes it would accept if it reached their parent, and then walks from the root
+one depth per iteration: every step is a single gather, no loop over requests or nodes. Greedy, a
+node's next token is the target's argmax there; sampling, it is the node's inverse-CDF draw with the
+coin of the position it fills, so a sampled row emits what plain decoding emits with those coins.
 """
 
 from __future__ import annotations
@@ -112,55 +114,21 @@ def tree_sample(
     next_sibling: Tensor,
     target_probs: Tensor,
     coins: Tensor,
-    final_coins: Tensor,
     max_accept: int | None = None,
 ) -> Decision:
-    """Target-only tree rejection sampling (draft probabilities 0, thresholds 1).
+    """Target-only tree sampling that emits what plain decoding emits with the same coins.
 
     candidates, next_token, next_sibling: `[bs, N]`; target_probs `[bs, N, V]` (row `i` is the
-    target distribution after node `i`); coins `[bs, N]` (the coin of parent `i` is `coins[:, i]`);
-    final_coins `[bs]` for the bonus. At a node with coin `u`, its children are tried in sibling
-    order with a running sum `acc` of their target probabilities; the first with `q > 0` and
-    `u < acc` is accepted. When all are rejected (or at a leaf, or after `S - 1` drafts) the bonus
-    is drawn from the target row of the last node with the tried children's tokens removed.
+    target distribution after node `i`); coins `[bs, N]`: the uniform of the position each node's
+    next token takes (a node at depth `d` gets the coin of the `d`-th token the step may emit).
+    Every node draws its next token from its row by inverse CDF (`sample_from_probs`) with its
+    coin; the walk then moves to the child holding that token, as the greedy walk moves to the
+    argmax, and the bonus is the last accepted node's draw.
+
+    Exact, and the same tokens as plain decoding: the token at each position is the inverse-CDF
+    draw from the target's distribution given the accepted prefix, with that position's coin,
+    which is how plain decoding draws it. A child is accepted with its target probability (as
+    with sibling-order rejection sampling), and a zero-probability draft never is.
     """
-    bs, n = candidates.shape
-    vocab = target_probs.shape[-1]
-    dev = candidates.device
-    cand = candidates.long()
-    parent, rank = tree_links(next_token, next_sibling)
-    has_parent = parent >= 0
-    par = parent.clamp(min=0)
-    # Gather first, convert after: a low-precision [bs, N, V] input is never copied whole.
-    probs = target_probs.reshape(bs, n * vocab)
-    q_node = torch.where(has_parent, probs.gather(1, par * vocab + cand).float(), 0.0)
-
-    # Running sum over the siblings in order: scatter into a [parent, rank] table, cumsum along
-    # rank, read back. Unlinked nodes (root, padding) go to a dump row.
-    slot = torch.where(has_parent, parent, n) * n + rank
-    table = torch.zeros(bs, (n + 1) * n, device=dev, dtype=torch.float32)
-    table = table.scatter(1, slot, q_node).view(bs, n + 1, n).cumsum(-1).view(bs, (n + 1) * n)
-    acc = table.gather(1, slot)
-    u = coins.to(acc.dtype).gather(1, par)
-    # NOTE: strict rule: a zero-probability draft is never accepted, not even with u == 0.
-    ok = has_parent & (q_node > 0) & (u < acc)
-
-    nodes, cur, moving = _walk(ok, parent, rank, _width(n, max_accept))
-
-    # Children of the last node were all tried and rejected unless the walk hit the depth limit.
-    tried = (parent == cur[:, None]) & ~moving[:, None]
-    rows = probs.view(bs, n, vocab).gather(1, cur[:, None, None].expand(bs, 1, vocab))
-    q_cur = rows.squeeze(1).float()  # target distribution after the last accepted node
-    drop = torch.zeros(bs, vocab + 1, device=dev, dtype=torch.bool)
-    drop = drop.scatter(1, torch.where(tried, cand, vocab), True)[:, :vocab]
-    resid = torch.where(drop, 0.0, q_cur)
-    drawn = sample_from_probs(resid, final_coins)
-    # Degenerate residual (children hold all the mass and u landed past the fp32 total): emit the
-    # last rejected child with mass, else the target's argmax.
-    last = torch.where(tried & (q_node > 0), rank, -1)
-    last_rank, last_id = last.max(1)
-    fallback = torch.where(
-        last_rank >= 0, cand.gather(1, last_id[:, None]).squeeze(1), q_cur.argmax(-1)
-    )
-    bonus = torch.where(resid.sum(-1) > 0, drawn, fallback)
-    return _decision(cand, nodes, bonus)
+    drawn = sample_from_probs(target_probs, coins)
+    return tree_greedy(candidates, next_token, next_sibling, drawn, max_accept)

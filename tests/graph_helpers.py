@@ -74,7 +74,7 @@ def prefilled(models: Models, pool: KVPool, shape: StepShape, prompts: list[list
 
 
 def fresh_copies(reqs: list[Request]) -> list[Request]:
-    """Same state, coin streams restarted from each request's seed (so runs draw equal coins)."""
+    """Same state and coins (so runs draw equal tokens)."""
     return [r.fork() for r in reqs]
 
 

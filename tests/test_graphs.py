@@ -221,7 +221,9 @@ def test_runner_with_budget_policy(models):
     assert runner.budgets == {(1, False): 12, (2, False): 12, (4, False): 3,
                               (1, True): 5, (2, True): 5, (4, True): 0}
     # one set of buffers per size, as wide as its widest shape
-    assert runner.buffers[1].coins.shape[1] == 13 and runner.buffers[4].coins.shape[1] == 4
+    assert runner.buffers[1].tree_kv.shape[2] == 13 and runner.buffers[4].tree_kv.shape[2] == 4
+    # a coin per position a step may fill: at most L + 1 = 4, at size 4 (budget 3) too
+    assert runner.buffers[1].coins.shape[1] == 4 and runner.buffers[4].coins.shape[1] == 4
     assert runner.shape.max_emit == max(s.max_emit for s in runner.shapes.values())
     # sampled rows among greedy ones keep the greedy budget up to half the batch; more than
     # half, the sampled one
@@ -234,7 +236,7 @@ def test_runner_with_budget_policy(models):
     assert runner.kind([hot, greedy], lagging=True) == "mixed"
     assert runner.shapes[(1, "lagging")] == StepShape("tree", 0, BLOCK, True)
     assert runner.shapes[(4, "mixed")] == StepShape("tree", 3, BLOCK, True)
-    assert runner.coins_per_row(3) == 5  # the widest sampling tree at size 4: budget 3
+    assert runner.coins_per_row(3) == 4  # what the widest sampling tree at size 4 may emit
     for sample in (False, True):
         reqs = prefilled(models, pool, shape, PROMPTS, _params(sample))
         emitted, accepted = step(runner, reqs, pad=False)  # size 4: budget 3, or 0 sampled

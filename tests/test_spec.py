@@ -257,6 +257,25 @@ def test_vocabulary_is_sorted_only_for_rows_that_may_need_it(pair, monkeypatch):
     assert (True, 2, 1) in seen  # top-k 20 fits the bounded top-k; a nucleus may not
 
 
+@pytest.mark.parametrize("mode,budget", [("tree", 0), ("tree", 4), ("tree", 16), ("chain", 0)])
+def test_sampled_tokens_are_plain_decodings_with_the_same_seed(pair, mode, budget, monkeypatch):
+    """A position's token is drawn with that position's coin in every mode, so a seeded
+    sampling request emits what plain decoding emits, drafts accepted or not."""
+    target, draft = pair
+    ps = prompts_for(768, lens=[12, 5, 40, 1], seed=4)
+    params = [SamplingParams(temperature=t, top_k=k, top_p=p, max_new_tokens=32, ignore_eos=True,
+                             seed=s) for t, k, p, s in [(0.9, 20, 1.0, 11), (0.7, 0, 0.8, 12),
+                                                        (1.0, 0, 1.0, 13)]]
+    params.append(SamplingParams(max_new_tokens=32, ignore_eos=True))
+    ar = LLM(target, mode="ar", max_batch_size=4, progress=False).generate(ps, params)
+    use_oracle(monkeypatch, seed=budget)
+    llm = LLM(target, draft, mode=mode, budget=budget, max_batch_size=4, progress=False)
+    outs = llm.generate(ps, params)
+    assert _tokens(outs) == _tokens(ar)
+    if mode == "chain" or budget > 0:  # the sampled rows took drafts
+        assert max(a for o in outs[:3] for a in o.accept_lengths) >= 2
+
+
 def test_same_seed_same_output_whatever_the_batch(pair):
     target, draft = pair
     sp = SamplingParams(temperature=0.9, top_k=20, max_new_tokens=24, ignore_eos=True, seed=42)

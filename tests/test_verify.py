@@ -59,7 +59,6 @@ def test_known_answer_sampling(max_accept: int | None) -> None:
             KA_SIB,
             q,
             torch.rand(2, 6, generator=g),
-            torch.rand(2, generator=g),
             max_accept=max_accept,
         )
         assert torch.equal(
@@ -80,9 +79,9 @@ def test_known_answer_greedy_and_depth_limit() -> None:
     assert torch.equal(out.accept_nodes, torch.tensor([[0, 3, 4], [0, 4, 5]]))
     assert torch.equal(out.emit, torch.tensor([[3, 4, 5], [11, 12, 18]]))
     q = torch.softmax(known_answer_logits() / 0.01, -1)
-    out = tree_sample(KA_CAND, KA_NEXT, KA_SIB, q, torch.rand(2, 6), torch.rand(2), max_accept=2)
+    out = tree_sample(KA_CAND, KA_NEXT, KA_SIB, q, torch.rand(2, 6), max_accept=2)
     assert torch.equal(out.emit, torch.tensor([[3, 4, 5], [11, 12, 18]]))
-    out = tree_sample(KA_CAND, KA_NEXT, KA_SIB, q, torch.rand(2, 6), torch.rand(2), max_accept=0)
+    out = tree_sample(KA_CAND, KA_NEXT, KA_SIB, q, torch.rand(2, 6), max_accept=0)
     assert torch.equal(out.emit, torch.tensor([[3], [11]]))
     assert torch.equal(out.accept_nodes, torch.tensor([[0], [0]]))
 
@@ -90,38 +89,17 @@ def test_known_answer_greedy_and_depth_limit() -> None:
 # --- host emulation of the kernel, one request and one child at a time -----------------------
 
 
-def naive_sample(cand, nt, ns, probs, coins, final, width) -> tuple[list[int], list[int]]:
-    """The tree walk as the spec states it; returns (accepted nodes, emitted tokens)."""
-    cur, nodes, emit = 0, [0], []
-    tried: list[int] = []
-    while True:
-        tried = []
-        if len(nodes) == width:
-            break  # depth limit: the children were never tried
-        q, u = probs[cur], coins[cur]
-        acc, child, hit = np.float32(0.0), nt[cur], -1
-        while child != -1:
-            acc = np.float32(acc + q[cand[child]])
-            if q[cand[child]] > 0 and u < acc:
-                hit = child
-                break
-            tried.append(child)
-            child = ns[child]
-        if hit < 0:
-            break
-        nodes.append(hit)
-        emit.append(cand[hit])
-        cur = hit
-    r = probs[cur].astype(np.float64)
-    for c in tried:
-        r[cand[c]] = 0.0
-    if r.sum() > 0:
-        cdf = np.cumsum(r)
-        bonus = int(np.argmax((cdf > final * cdf[-1]) & (r > 0)))
-    else:
-        heavy = [c for c in tried if probs[cur][cand[c]] > 0]
-        bonus = cand[heavy[-1]] if heavy else int(np.argmax(probs[cur]))
-    return nodes, emit + [bonus]
+def naive_draw(p: np.ndarray, u: float) -> int:
+    """Inverse CDF in float64: the smallest token with mass whose cumulative mass exceeds u."""
+    p = p.astype(np.float64)
+    cdf = np.cumsum(p)
+    return int(np.argmax((cdf > u * cdf[-1]) & (p > 0))) if cdf[-1] > 0 else 0
+
+
+def naive_sample(cand, nt, ns, probs, coins, width) -> tuple[list[int], list[int]]:
+    """The sampled walk as stated: every node draws with its coin, the walk follows the draws."""
+    draws = [naive_draw(probs[i], coins[i]) for i in range(len(cand))]
+    return naive_greedy(cand, nt, ns, draws, width)
 
 
 def naive_greedy(cand, nt, ns, argmax, width) -> tuple[list[int], list[int]]:
@@ -193,40 +171,38 @@ def test_sample_and_greedy_match_host_emulation() -> None:
             cand, nt, ns = tree.tokens, tree.next_token, tree.next_sibling
         coins = torch.rand(bs, n, generator=g)
         coins[:, 0] = torch.where(torch.rand(bs, generator=g) < 0.2, 0.0, coins[:, 0])
-        final = torch.rand(bs, generator=g)
         argmax = probs.argmax(-1)
         max_accept = None if trial % 3 == 0 else int(torch.randint(0, depth + 1, (1,), generator=g))
         width = n if max_accept is None else min(n, max_accept + 1)
 
         lists = [x.tolist() for x in (cand, nt, ns, argmax)]
-        p_np, c_np, f_np = probs.numpy(), coins.numpy(), final.numpy()
+        p_np, c_np = probs.numpy(), coins.numpy()
         expect = [
-            naive_sample(lists[0][b], lists[1][b], lists[2][b], p_np[b], c_np[b], f_np[b], width)
+            naive_sample(lists[0][b], lists[1][b], lists[2][b], p_np[b], c_np[b], width)
             for b in range(bs)
         ]
-        got = tree_sample(cand, nt, ns, probs, coins, final, max_accept=max_accept)
+        got = tree_sample(cand, nt, ns, probs, coins, max_accept=max_accept)
         check_against_naive(got, expect, width)
         expect = [naive_greedy(*(x[b] for x in lists), width) for b in range(bs)]
         check_against_naive(tree_greedy(cand, nt, ns, argmax, max_accept=max_accept), expect, width)
 
 
-def test_degenerate_residual_and_strict_rule() -> None:
-    # Root with children node 1 (token 2) and node 2 (token 5), V = 8.
+def test_strict_rule_and_empty_rows() -> None:
+    # Root with children node 1 (token 2) and node 2 (token 5), V = 8; below them token 6.
     cand = torch.tensor([[0, 2, 5]] * 4)
     nt = torch.tensor([[1, -1, -1]] * 4)
     ns = torch.tensor([[-1, 2, -1]] * 4)
     probs = torch.zeros(4, 3, 8)
     probs[:, 1:, 6] = 1.0
-    probs[0, 0, 2], probs[0, 0, 5] = 0.3, 0.2  # children hold all the mass; u = 0.9 rejects both
-    probs[1, 0, 2] = 0.4  # second child has no mass: the first is the last rejected with mass
-    # Row 2: all zero, so the fallback is the argmax (token 0).
-    probs[3, 0, 5] = 0.5  # zero-probability first child is skipped even with u == 0
-    probs[3, 0, 7] = 0.5
-    coins = torch.tensor([[0.9, 0.5, 0.5]] * 3 + [[0.0, 0.5, 0.5]])
-    out = tree_sample(cand, nt, ns, probs, coins, torch.full((4,), 0.5))
-    assert out.accept_len.tolist() == [0, 0, 0, 1]
-    assert out.emit[:, :2].tolist() == [[5, -1], [2, -1], [0, -1], [5, 6]]
-    assert out.accept_nodes[:, :2].tolist() == [[0, -1], [0, -1], [0, -1], [0, 2]]
+    probs[0, 0, 5] = probs[0, 0, 7] = 0.5  # the zero-mass first child is skipped even at u == 0
+    probs[1, 0, 2], probs[1, 0, 5] = 0.4, 0.6  # u just below 1 lands on the last token with mass
+    # Row 2: an all-zero row draws token 0, which no child holds.
+    probs[3, 0, 7] = 1.0  # every child has zero mass: none is accepted, whatever the coin
+    coins = torch.tensor([[0.0, 0.5, 0.5], [1 - 2**-24, 0.5, 0.5], [0.5] * 3, [0.0, 0.5, 0.5]])
+    out = tree_sample(cand, nt, ns, probs, coins)
+    assert out.accept_len.tolist() == [1, 1, 0, 0]
+    assert out.emit[:, :2].tolist() == [[5, 6], [5, 6], [0, -1], [7, -1]]
+    assert out.accept_nodes[:, :2].tolist() == [[0, 2], [0, 2], [0, -1], [0, -1]]
 
 
 def test_long_sibling_chains() -> None:
@@ -240,9 +216,7 @@ def test_long_sibling_chains() -> None:
     probs = torch.zeros(2, 41, 40)
     probs[:, 0, 39] = 1.0
     probs[:, 1:, 0] = 1.0
-    out = tree_sample(
-        tree.tokens, tree.next_token, tree.next_sibling, probs, torch.rand(2, 41), torch.rand(2)
-    )
+    out = tree_sample(tree.tokens, tree.next_token, tree.next_sibling, probs, torch.rand(2, 41))
     assert out.emit[:, :2].tolist() == [[39, 0], [39, 0]]
 
 
@@ -250,8 +224,8 @@ def test_padding_rows_do_not_change_real_rows() -> None:
     g = torch.Generator().manual_seed(8)
     tree = build_ddtree(torch.randn(4, 3, 9, generator=g), 10, torch.zeros(4))
     probs = torch.softmax(torch.randn(4, 11, 9, generator=g), -1)
-    coins, final = torch.rand(4, 11, generator=g), torch.rand(4, generator=g)
-    full = tree_sample(tree.tokens, tree.next_token, tree.next_sibling, probs, coins, final)
+    coins = torch.rand(4, 11, generator=g)
+    full = tree_sample(tree.tokens, tree.next_token, tree.next_sibling, probs, coins)
     for b in range(4):
         one = tree_sample(
             tree.tokens[b : b + 1],
@@ -259,7 +233,6 @@ def test_padding_rows_do_not_change_real_rows() -> None:
             tree.next_sibling[b : b + 1],
             probs[b : b + 1],
             coins[b : b + 1],
-            final[b : b + 1],
         )
         for name in ("accept_nodes", "accept_len", "emit"):
             assert torch.equal(getattr(one, name)[0], getattr(full, name)[b])
@@ -330,9 +303,11 @@ DRAWS = 20_000
 
 
 def sampled_batch(config_id: int, seed: int = 1000, target: PathTarget | None = None
-                  ) -> tuple[DDTree, PathTarget, Decision, torch.Generator]:
-    """One random tree, `DRAWS` copies with independent coins, decided by `tree_sample` (against
-    `target`, by default a `PathTarget` of the config)."""
+                  ) -> tuple[DDTree, PathTarget, Decision, Tensor]:
+    """One random tree, `DRAWS` copies, decided by `tree_sample` (against `target`, by default a
+    `PathTarget` of the config) with independent coins per position, a node taking its depth's,
+    as the engine gives them. Returns the tree, the target, the decisions and the coins
+    `[DRAWS, depth + 1]`."""
     g = torch.Generator().manual_seed(seed + config_id)
     vocab = 8 + config_id % 5
     depth = 2 + config_id % 3
@@ -347,15 +322,15 @@ def sampled_batch(config_id: int, seed: int = 1000, target: PathTarget | None = 
     tree = build_ddtree(torch.stack(rows)[None], budget, torch.zeros(1))
     probs = target.rows(tree)
     n = budget + 1
+    coins = torch.rand(DRAWS, depth + 1, generator=g)
     out = tree_sample(
         tree.tokens.expand(DRAWS, n),
         tree.next_token.expand(DRAWS, n),
         tree.next_sibling.expand(DRAWS, n),
         probs.expand(DRAWS, n, vocab),
-        torch.rand(DRAWS, n, generator=g),
-        torch.rand(DRAWS, generator=g),
+        coins.gather(1, tree.depth.expand(DRAWS, n)),
     )
-    return tree, target, out, g
+    return tree, target, out, coins
 
 
 @pytest.mark.parametrize("config_id", range(len(CONFIGS)))
@@ -382,54 +357,72 @@ def test_each_child_accepted_with_its_target_probability(config_id: int) -> None
 
 @pytest.mark.parametrize("config_id", range(len(CONFIGS)))
 def test_first_two_emitted_tokens_follow_the_target(config_id: int) -> None:
-    tree, target, out, g = sampled_batch(config_id)
+    tree, target, out, coins = sampled_batch(config_id)
     vocab = target.vocab
     q_root = target(())
     first = out.emit[:, 0]
     assert chi2_ok(torch.bincount(first, minlength=vocab), q_root)
-    # The second token: the tree's, or (when the step ended on its bonus) the next step's plain
-    # sample after that bonus, from the same prefix function.
+    # The second token: the tree's, or (when the step ended on its bonus) the next step's draw
+    # after that bonus, from the same prefix function, with the second position's coin: the one
+    # the tree's depth-1 nodes drew with (the engine's next step reads it again).
     after_first = torch.stack([target((t,)) for t in range(vocab)])  # [V, V]
-    fresh = sample_from_probs(after_first[first], torch.rand(DRAWS, generator=g))
+    fresh = sample_from_probs(after_first[first], coins[:, 1])
     second = torch.where(out.accept_len >= 1, out.emit[:, 1], fresh)
     joint = q_root[:, None] * after_first
     assert chi2_ok(torch.bincount(first * vocab + second, minlength=vocab * vocab), joint.flatten())
     assert int((out.accept_len >= 1).sum()) > DRAWS // 4, "the tree path must be exercised"
     root_kids = tree.tokens[0, (tree.parent[0] == 0) & tree.valid[0]]
     if 1 - float(q_root[root_kids].sum()) > 0.05:
-        assert int((out.accept_len == 0).sum()) > DRAWS // 100, "and so must the residual"
+        assert int((out.accept_len == 0).sum()) > DRAWS // 100, "and so must the root's bonus"
+
+
+@pytest.mark.parametrize("config_id", range(len(CONFIGS)))
+def test_sampled_walk_emits_what_plain_decoding_emits(config_id: int) -> None:
+    # Plain decoding draws the token of position j from the target given the tokens before it,
+    # with position j's coin; every decision's emitted tokens must be exactly those.
+    tree, target, out, coins = sampled_batch(config_id)
+    deep = 0
+    for d in range(0, DRAWS, 10):
+        emitted = out.emit[d, : int(out.accept_len[d]) + 1].tolist()
+        plain: list[int] = []
+        for j in range(len(emitted)):
+            q = target(tuple(plain))
+            plain.append(int(sample_from_probs(q[None], coins[d, j : j + 1])[0]))
+        assert emitted == plain, (d, emitted, plain)
+        deep += len(emitted) > 2
+    assert deep > 0, "some walks must go past the first draft"
 
 
 # --- graph safety -----------------------------------------------------------------------------
 
 
-def small_inputs() -> tuple[DDTree, Tensor, Tensor, Tensor]:
+def small_inputs() -> tuple[DDTree, Tensor, Tensor]:
     tree = build_ddtree(torch.randn(3, 4, 12), 8, torch.zeros(3))
     probs = torch.softmax(torch.randn(3, 9, 12), -1)
-    return tree, probs, torch.rand(3, 9), torch.rand(3)
+    return tree, probs, torch.rand(3, 9)
 
 
 def test_decide_runs_on_fake_tensors() -> None:
-    tree, probs, coins, final = small_inputs()
+    tree, probs, coins = small_inputs()
     links = (tree.tokens, tree.next_token, tree.next_sibling)
-    out = run_on_fake(tree_sample, *links, probs, coins, final, max_accept=4)
+    out = run_on_fake(tree_sample, *links, probs, coins, max_accept=4)
     assert tuple(out.accept_nodes.shape) == (3, 5) and tuple(out.emit.shape) == (3, 5)
     assert tuple(out.accept_len.shape) == (3,)
     out = run_on_fake(tree_greedy, *links, probs.argmax(-1))
     assert tuple(out.accept_nodes.shape) == (3, 9) and tuple(out.emit.shape) == (3, 9)
 
-    def whole_step(logits: Tensor, target_logits: Tensor, coins: Tensor, final: Tensor):
+    def whole_step(logits: Tensor, target_logits: Tensor, coins: Tensor):
         tree = build_ddtree(logits, 8, torch.zeros(3, dtype=torch.int64))
         ones = torch.ones(3)
         q = target_probs(target_logits, ones, torch.full((3,), 5), ones * 0.9)
-        return tree_sample(tree.tokens, tree.next_token, tree.next_sibling, q, coins, final)
+        return tree_sample(tree.tokens, tree.next_token, tree.next_sibling, q, coins)
 
-    out = run_on_fake(whole_step, torch.randn(3, 4, 12), torch.randn(3, 9, 12), coins, final)
+    out = run_on_fake(whole_step, torch.randn(3, 4, 12), torch.randn(3, 9, 12), coins)
     assert tuple(out.emit.shape) == (3, 9)
 
 
 def test_fake_guard_catches_host_syncs_and_dynamic_shapes() -> None:
-    tree, probs, coins, final = small_inputs()
+    tree, probs, coins = small_inputs()
     links = (tree.tokens, tree.next_token, tree.next_sibling)
 
     def with_item(*args: Tensor) -> int:
@@ -446,7 +439,7 @@ def test_fake_guard_catches_host_syncs_and_dynamic_shapes() -> None:
         return out.emit if bool((out.accept_len > 0).any()) else out.accept_nodes
 
     with pytest.raises(DataDependentOutputException):
-        run_on_fake(with_item, *links, probs, coins, final)
+        run_on_fake(with_item, *links, probs, coins)
     with pytest.raises(DynamicOutputShapeException):
         run_on_fake(with_mask, tree)
     with pytest.raises(DynamicOutputShapeException):
@@ -454,7 +447,7 @@ def test_fake_guard_catches_host_syncs_and_dynamic_shapes() -> None:
     with pytest.raises(DataDependentOutputException):
         run_on_fake(with_branch, *links, probs.argmax(-1))
     # The unplanted calls are fine, so the raises above come from the planted lines.
-    run_on_fake(tree_sample, *links, probs, coins, final)
+    run_on_fake(tree_sample, *links, probs, coins)
 
 
 @pytest.mark.cuda
@@ -470,7 +463,6 @@ def test_cuda_graph_replay_matches_cpu() -> None:
             torch.randint(0, vocab, (bs,), generator=g),
             torch.randn(bs, n, vocab, generator=g),
             torch.rand(bs, n, generator=g),
-            torch.rand(bs, generator=g),
         ]
 
     params = (
@@ -479,11 +471,11 @@ def test_cuda_graph_replay_matches_cpu() -> None:
         torch.tensor([1.0, 0.9, 1.0, 0.8]),
     )
 
-    def step(logits, anchor, target_logits, coins, final, temp, top_k, top_p):
+    def step(logits, anchor, target_logits, coins, temp, top_k, top_p):
         tree = build_ddtree(logits, budget, anchor)
         q = target_probs(target_logits, temp, top_k, top_p)
         links = (tree.tokens, tree.next_token, tree.next_sibling)
-        sampled = tree_sample(*links, q, coins, final, max_accept=depth)
+        sampled = tree_sample(*links, q, coins, max_accept=depth)
         greedy = tree_greedy(*links, target_logits.argmax(-1), max_accept=depth)
         return [
             tree.tokens,
@@ -558,9 +550,7 @@ def test_known_answer_on_the_bounded_path(top_k: int, top_p: float, bound: int) 
     assert torch.equal(q > 0, target_probs(logits, temp, k, p, bound=None) > 0)
     for seed in range(3):
         g = torch.Generator().manual_seed(seed)
-        out = tree_sample(
-            KA_CAND, KA_NEXT, KA_SIB, q, torch.rand(2, 6, generator=g), torch.rand(2, generator=g)
-        )
+        out = tree_sample(KA_CAND, KA_NEXT, KA_SIB, q, torch.rand(2, 6, generator=g))
         assert torch.equal(out.accept_nodes, flat_to_local([[0, 3, 4, 5], [6, 10, 11, -1]], 6, 6))
         assert torch.equal(out.accept_len, torch.tensor([3, 2]))
         assert torch.equal(out.emit, padded([[3, 4, 5, 18], [11, 12, 18]], 6))
@@ -572,13 +562,13 @@ def test_bounded_path_with_fallback_keeps_the_decide_exact(config_id: int) -> No
     # overflow it, and so do most nuclei of top-p 0.8 / 0.9 at these temperatures.
     target = BoundedPathTarget(8 + config_id % 5, *CONFIGS[config_id], seed=config_id, bound=2)
     assert int((target(()) > 0).sum()) > 2, "the root row must need the fallback"
-    _, _, out, g = sampled_batch(config_id, 2000, target)
+    _, _, out, coins = sampled_batch(config_id, 2000, target)
     vocab = target.vocab
     q_root = target(())
     first = out.emit[:, 0]
     assert chi2_ok(torch.bincount(first, minlength=vocab), q_root)
     after_first = torch.stack([target((t,)) for t in range(vocab)])
-    fresh = sample_from_probs(after_first[first], torch.rand(DRAWS, generator=g))
+    fresh = sample_from_probs(after_first[first], coins[:, 1])
     second = torch.where(out.accept_len >= 1, out.emit[:, 1], fresh)
     joint = q_root[:, None] * after_first
     assert chi2_ok(torch.bincount(first * vocab + second, minlength=vocab * vocab), joint.flatten())
@@ -588,7 +578,7 @@ def test_bounded_path_with_fallback_keeps_the_decide_exact(config_id: int) -> No
 def test_decide_on_the_bounded_path_runs_on_fake_tensors() -> None:
     g = torch.Generator().manual_seed(0)
 
-    def whole_step(logits: Tensor, target_logits: Tensor, coins: Tensor, final: Tensor):
+    def whole_step(logits: Tensor, target_logits: Tensor, coins: Tensor):
         tree = build_ddtree(logits, 8, torch.zeros(3, dtype=torch.int64))
         q = target_probs(
             target_logits,
@@ -599,13 +589,12 @@ def test_decide_on_the_bounded_path_runs_on_fake_tensors() -> None:
             topk_rows=2,
             sort_rows=1,
         )
-        return tree_sample(tree.tokens, tree.next_token, tree.next_sibling, q, coins, final)
+        return tree_sample(tree.tokens, tree.next_token, tree.next_sibling, q, coins)
 
     out = run_on_fake(
         whole_step,
         torch.randn(3, 4, 12, generator=g),
         torch.randn(3, 9, 12, generator=g),
         torch.rand(3, 9, generator=g),
-        torch.rand(3, generator=g),
     )
     assert tuple(out.emit.shape) == (3, 9)
