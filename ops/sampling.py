@@ -246,8 +246,10 @@ def sample_from_probs(probs: Tensor, coins: Tensor, *, use_flashinfer: bool = Fa
     """Inverse-CDF draws `[...]` (int64) from `probs` `[..., V]` (need not be normalised).
 
     Returns the smallest `t` with `p[t] > 0` and `cumsum(p)[t] > u * sum(p)` for `u = coins`
-    `[...]` in [0, 1). If rounding pushes `u * sum(p)` to the total, the last positive token is
-    returned; an all-zero row gives token 0.
+    `[...]` in [0, 1). If rounding pushes `u * sum(p)` to the total, the token where the cumsum
+    reaches its total is returned (the last positive token, unless fp32 rounding hides a tail
+    lighter than it); an all-zero row gives token 0. One pass over `probs` (the cumsum) and two
+    binary searches per row: a sampled tree draws at every node.
 
     `use_flashinfer=True` switches CUDA tensors to flashinfer's fused sampler when it imports. That
     kernel draws its own uniforms from its philox state, so the result is a sample of the same
@@ -257,14 +259,15 @@ def sample_from_probs(probs: Tensor, coins: Tensor, *, use_flashinfer: bool = Fa
         drawn = _flashinfer_sample(probs)
         if drawn is not None:
             return drawn
-    p = probs.float()
-    cdf = p.cumsum(-1)
-    thr = coins.to(cdf.dtype).unsqueeze(-1) * cdf[..., -1:]
+    cdf = probs.float().cumsum(-1).contiguous()
+    total = cdf[..., -1:].contiguous()
+    thr = coins.to(cdf.dtype).unsqueeze(-1) * total
     # First index whose cdf exceeds thr: a zero-mass token never raises the cdf, so it is skipped.
-    t = torch.searchsorted(cdf.contiguous(), thr.contiguous(), right=True).squeeze(-1)
-    ids = torch.arange(p.shape[-1], device=p.device)
-    last_pos = torch.where(p > 0, ids, 0).amax(-1)
-    return torch.minimum(t, last_pos)
+    t = torch.searchsorted(cdf, thr.contiguous(), right=True)
+    # Where the cdf first reaches its total: a token that raised it, so one with mass (or 0 when
+    # all are zero). It bounds t when thr rounds up to the total.
+    end = torch.searchsorted(cdf, total, right=False)
+    return torch.minimum(t, end).squeeze(-1)
 
 
 def _flashinfer_sample(probs: Tensor) -> Tensor | None:
