@@ -504,11 +504,13 @@ def test_queue_full_gives_503(small_server: ServerProc) -> None:
     _ok_after(small_server)
 
 
-def test_preemption_keeps_greedy_output(small_server: ServerProc) -> None:
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_preemption_keeps_the_output(small_server: ServerProc, temperature: float) -> None:
     """Two long requests cannot both hold their pages (12 usable pages, up to 8 each): the newer
-    is preempted and recomputed, and both still give their stand-alone greedy answers."""
-    bodies = [{"prompt": _ids(500 + i, 20), "max_tokens": 100, "temperature": 0,
-               "ignore_eos": True} for i in range(2)]
+    is preempted and recomputed, and both still give their stand-alone answers, greedy or
+    seeded (a position's token is drawn with that position's coin, whatever the batch)."""
+    bodies = [{"prompt": _ids(500 + i, 20), "max_tokens": 100, "temperature": temperature,
+               "seed": 40 + i, "ignore_eos": True} for i in range(2)]
 
     async def run() -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
         async with httpx.AsyncClient(timeout=120) as http:
