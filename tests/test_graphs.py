@@ -344,8 +344,10 @@ def test_a_sampled_request_that_decoded_plainly_stays_plain(tmp_path, monkeypatc
     assert len(pair[1].token_ids) == 14 and len(pair[1].accept_lengths) == 13
     assert budgets and set(budgets) == {0}
     budgets.clear()
-    llm.generate(prompts[1:], params[1:])
+    alone = llm.generate(prompts[1:], params[1:])
     assert set(budgets) == {4}  # alone from the start, its drafter kept up: it drafts
+    # plainly in a pair or drafting alone, its seed gives the same tokens
+    assert alone[0].token_ids == pair[1].token_ids
 
 
 def test_best_budgets_keep_plain_decoding_unless_a_tree_wins_by_the_margin():
