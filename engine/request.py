@@ -50,14 +50,16 @@ class Request:
         c.drawn = list(self.drawn)
         return c
 
-    def coins(self, start: int, n: int) -> list[float]:
-        """The uniforms in [0, 1) of output positions `start .. start + n - 1` (zeros when
-        greedy). Each position has one coin, the request stream's draw number `position`,
-        whichever step reads it and however often: the token at a position is drawn with its
-        coin in every mode, so a seeded request emits the same tokens with or without drafts.
+    def coins(self, n: int) -> list[float]:
+        """The uniforms in [0, 1) of the next `n` output positions, from `len(output_ids)` on
+        (zeros when greedy). Each position has one coin, the request stream's draw number
+        `position`, whichever step reads it and however often: the token at a position is drawn
+        with its coin in every mode, so a seeded request emits the same tokens with or without
+        drafts.
         NOTE: 24 random bits each, so every value is exact in float32 and below 1 there too."""
         if self.params.greedy:
             return [0.0] * n
+        start = len(self.output_ids)
         while len(self.drawn) < start + n:
             self.drawn.append(self.rng.getrandbits(24) / (1 << 24))
         return self.drawn[start:start + n]

@@ -97,14 +97,13 @@ def run_step(runner: Any, reqs: Sequence[Request], drafts: bool | None = None, p
 
 def step_inputs(reqs: Sequence[Request], coins_per_row: int, drafts: bool = False
                 ) -> StepInputs:
-    """What a step needs of `reqs`, each with the coins of the `coins_per_row` output positions
-    from its next; a step that `drafts` also takes the committed tokens each drafter cache
-    lacks."""
+    """What a step needs of `reqs`, each with the coins of its next `coins_per_row` output
+    positions; a step that `drafts` also takes the committed tokens each drafter cache lacks."""
     lag = [(r.prompt_ids + r.output_ids)[r.fed:r.cache_len] if r.fed < r.cache_len else []
            for r in reqs] if drafts else []
     return StepInputs([r.anchor for r in reqs], [r.cache_len for r in reqs],
                       [list(r.pages) for r in reqs], [r.params for r in reqs],
-                      [r.coins(len(r.output_ids), coins_per_row) for r in reqs], lag, lagging(reqs))
+                      [r.coins(coins_per_row) for r in reqs], lag, lagging(reqs))
 
 
 class Scheduler:
@@ -184,7 +183,7 @@ class Scheduler:
             fresh, ctx = not req.output_ids, _context(req)
             self._grow(req, len(ctx))
             inps.append(PrefillInputs(ctx, list(req.pages), req.params if fresh else None,
-                                      req.coins(0, 1)[0] if fresh else 0.0))
+                                      req.coins(1)[0] if fresh else 0.0))
             req.cache_len = req.fed = len(ctx)
         return [[] if first is None else [first] for first in self.runner.prefill(inps)]
 

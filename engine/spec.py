@@ -272,8 +272,9 @@ def decide(logits: Tensor, tree: DDTree, buf: StepBuffers, shape: StepShape) -> 
     probs = target_probs(logits, buf.temperature, buf.top_k, buf.top_p, shape.filtered,
                          topk_rows=shape.topk_rows, sort_rows=shape.sort_rows,
                          sort_if_needed=shape.sort_if_needed)
-    # A node at depth d draws the token of the step's d-th position, with that position's coin.
-    coins = buf.coins.gather(1, tree.depth.clamp(max=buf.coins.shape[1] - 1))
+    # A node at depth d draws the token of the step's d-th position, with that position's coin
+    # (depths run 0 .. S - 1: a tree of budget K reaches depth min(K, L), and S = min(K, L) + 1).
+    coins = buf.coins.gather(1, tree.depth)
     return tree_sample(tree.tokens, tree.next_token, tree.next_sibling, probs, coins,
                        max_accept=L)
 

@@ -53,12 +53,11 @@ def tree_links(next_token: Tensor, next_sibling: Tensor) -> tuple[Tensor, Tensor
     return first_of.gather(1, ptr), dist
 
 
-def _walk(ok: Tensor, parent: Tensor, rank: Tensor, width: int) -> tuple[Tensor, Tensor, Tensor]:
+def _walk(ok: Tensor, parent: Tensor, rank: Tensor, width: int) -> tuple[Tensor, Tensor]:
     """From the root, repeatedly move to the first child (sibling order) with `ok`.
 
-    ok, parent, rank: `[bs, N]`. Returns the accepted nodes `[bs, width]` (root first, -1 padded),
-    the last accepted node `[bs]`, and whether the walk was still moving when `width - 1` drafts
-    were accepted `[bs]` (then the last node's children were never tried).
+    ok, parent, rank: `[bs, N]`. Returns the accepted nodes `[bs, width]` (root first, -1 padded)
+    and the last accepted node `[bs]`.
     """
     bs, n = ok.shape
     dev = ok.device
@@ -77,7 +76,7 @@ def _walk(ok: Tensor, parent: Tensor, rank: Tensor, width: int) -> tuple[Tensor,
         moving = moving & (nxt >= 0)
         cur = torch.where(moving, nxt, cur)
         cols.append(torch.where(moving, nxt, -1))
-    return torch.stack(cols, 1), cur, moving
+    return torch.stack(cols, 1), cur
 
 
 def _decision(candidates: Tensor, nodes: Tensor, bonus: Tensor) -> Decision:
@@ -104,7 +103,7 @@ def tree_greedy(
     parent, rank = tree_links(next_token, next_sibling)
     argmax = target_argmax.long()
     ok = candidates.long() == argmax.gather(1, parent.clamp(min=0))
-    nodes, cur, _ = _walk(ok, parent, rank, _width(candidates.shape[1], max_accept))
+    nodes, cur = _walk(ok, parent, rank, _width(candidates.shape[1], max_accept))
     return _decision(candidates, nodes, argmax.gather(1, cur[:, None]).squeeze(1))
 
 
