@@ -401,7 +401,9 @@ class StepGraphRunner:
             promise = row_promises(cuts, vocab)
             if self.compile:
                 promise = {k: size if v and k != "filtered" else v for k, v in promise.items()}
-            shape = replace(shape, **promise, sort_if_needed=not self.compile)
+            eager = {} if self.compile else {"sort_if_needed": True, "sampled_rows": sum(
+                not x.greedy for x in inp.params)}
+            shape = replace(shape, **promise, **eager)
         width = self.max_pages
         if not self.use_graphs:
             # Gather only as much context as this batch has (a captured graph needs the full

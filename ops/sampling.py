@@ -1,4 +1,4 @@
-"""Target distributions (temperature, top-k, top-p) and inverse-CDF sampling from given coins.
+"""Target distributions (temperature, top-k, top-p) and sampling by a race keyed by given coins.
 
 Fixed-shape tensor programs: per-row parameters are tensors, so one captured graph serves any mix of
 greedy and sampling requests (greedy rows arrive as temperature 1, top-k 1).
@@ -242,14 +242,45 @@ def target_probs(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tens
     return out
 
 
-def sample_from_probs(probs: Tensor, coins: Tensor, *, use_flashinfer: bool = False) -> Tensor:
-    """Inverse-CDF draws `[...]` (int64) from `probs` `[..., V]` (need not be normalised).
+# The race's noise: every (coin, token) pair hashes to its own uniform. A coin is a position's
+# randomness (the engine gives each output position one); its 32 bits key a stream of 32-bit
+# values, one per token id, mixed by an integer finalizer (two multiply-xorshift rounds with
+# multipliers below 2**31, so every product fits an int64 on any device). Written by hand: torch's
+# generators give one stream per call, not a value per (coin, token) that any step, batch or
+# device reproduces from the coin alone.
+_M32 = 0xFFFFFFFF
 
-    Returns the smallest `t` with `p[t] > 0` and `cumsum(p)[t] > u * sum(p)` for `u = coins`
-    `[...]` in [0, 1). If rounding pushes `u * sum(p)` to the total, the token where the cumsum
-    reaches its total is returned (the last positive token, unless fp32 rounding hides a tail
-    lighter than it); an all-zero row gives token 0. One pass over `probs` (the cumsum) and two
-    binary searches per row: a sampled tree draws at every node.
+
+def _mix32(x: Tensor) -> Tensor:
+    """A 32-bit hash finalizer over int64 tensors holding values in [0, 2**32)."""
+    x = x ^ (x >> 16)
+    x = (x * 0x21F0AAAD) & _M32
+    x = x ^ (x >> 15)
+    x = (x * 0x735A2D97) & _M32
+    return x ^ (x >> 15)
+
+
+def race_noise(coins: Tensor, vocab: int) -> Tensor:
+    """Exponential variates `[..., V]` (fp32, rate 1), one per token for each coin `[...]` in
+    [0, 1): the same coin gives the same noise on every device and in every batch."""
+    key = _mix32(coins.to(torch.float32).contiguous().view(torch.int32).to(torch.int64) & _M32)
+    ids = (torch.arange(vocab, device=coins.device, dtype=torch.int64) * 0x9E3779B9) & _M32
+    h = _mix32((key.unsqueeze(-1) + ids) & _M32)
+    u = ((h >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))  # 24 bits, in (0, 1)
+    return -torch.log(u)
+
+
+def sample_from_probs(probs: Tensor, coins: Tensor, *, use_flashinfer: bool = False) -> Tensor:
+    """Draws `[...]` (int64) from `probs` `[..., V]` (need not be normalised), one per coin
+    `[...]` in [0, 1): an exponential race, the token with the largest `p[t] / E[t]` for the
+    coin's noise `E = race_noise(coins)`.
+
+    With independent unit exponentials, token `t` wins with probability `p[t] / sum(p)` (the
+    first of independent exponential clocks of rates `p` to ring): an exact sample, and the
+    Gumbel-max trick in another form. A zero-mass token never wins; an all-zero row gives token 0.
+    Because the noise belongs to the coin, not to the distribution, a drafter's distribution raced
+    with the same coin picks the same token whenever it is close to the target's
+    (`race_logits`): that is what lets a sampled row draft the token the target will draw.
 
     `use_flashinfer=True` switches CUDA tensors to flashinfer's fused sampler when it imports. That
     kernel draws its own uniforms from its philox state, so the result is a sample of the same
@@ -259,15 +290,16 @@ def sample_from_probs(probs: Tensor, coins: Tensor, *, use_flashinfer: bool = Fa
         drawn = _flashinfer_sample(probs)
         if drawn is not None:
             return drawn
-    cdf = probs.float().cumsum(-1).contiguous()
-    total = cdf[..., -1:].contiguous()
-    thr = coins.to(cdf.dtype).unsqueeze(-1) * total
-    # First index whose cdf exceeds thr: a zero-mass token never raises the cdf, so it is skipped.
-    t = torch.searchsorted(cdf, thr.contiguous(), right=True)
-    # Where the cdf first reaches its total: a token that raised it, so one with mass (or 0 when
-    # all are zero). It bounds t when thr rounds up to the total.
-    end = torch.searchsorted(cdf, total, right=False)
-    return torch.minimum(t, end).squeeze(-1)
+    return (probs.float() / race_noise(coins, probs.shape[-1])).argmax(-1)
+
+
+def race_logits(logits: Tensor, coins: Tensor) -> Tensor:
+    """`logits + G` `[..., V]` for the race's noise of `coins` (`G = -log E`, standard Gumbel):
+    its argmax is `sample_from_probs(softmax(logits), coins)`, and its softmax is the chance of
+    each token to win that race if the logits were off by independent Gumbel noise. Raced with the
+    coins the target will draw with, a drafter's logits rank its candidates by how likely each
+    is to be the target's draw."""
+    return logits.float() - torch.log(race_noise(coins, logits.shape[-1]))
 
 
 def _flashinfer_sample(probs: Tensor) -> Tensor | None:

@@ -4,8 +4,9 @@ Trees arrive in left-child right-sibling form (`next_token`, `next_sibling`, any
 walk first turns the links into a parent and a sibling rank per node (pointer doubling, log2 N
 rounds), marks the nodes it would accept if it reached their parent, and then walks from the root
 one depth per iteration: every step is a single gather, no loop over requests or nodes. Greedy, a
-node's next token is the target's argmax there; sampling, it is the node's inverse-CDF draw with the
-coin of the position it fills, so a sampled row emits what plain decoding emits with those coins.
+node's next token is the target's argmax there; sampling, it is the node's draw (the race of
+`ops.sampling.sample_from_probs`) with the coin of the position it fills, so a sampled row emits
+what plain decoding emits with those coins.
 """
 
 from __future__ import annotations
@@ -120,13 +121,13 @@ def tree_sample(
     candidates, next_token, next_sibling: `[bs, N]`; target_probs `[bs, N, V]` (row `i` is the
     target distribution after node `i`); coins `[bs, N]`: the uniform of the position each node's
     next token takes (a node at depth `d` gets the coin of the `d`-th token the step may emit).
-    Every node draws its next token from its row by inverse CDF (`sample_from_probs`) with its
-    coin; the walk then moves to the child holding that token, as the greedy walk moves to the
-    argmax, and the bonus is the last accepted node's draw.
+    Every node draws its next token from its row (`sample_from_probs`) with its coin; the walk
+    then moves to the child holding that token, as the greedy walk moves to the argmax, and the
+    bonus is the last accepted node's draw.
 
-    Exact, and the same tokens as plain decoding: the token at each position is the inverse-CDF
-    draw from the target's distribution given the accepted prefix, with that position's coin,
-    which is how plain decoding draws it. A child is accepted with its target probability (as
+    Exact, and the same tokens as plain decoding: the token at each position is the draw from the
+    target's distribution given the accepted prefix, with that position's coin, which is how
+    plain decoding draws it. A child is accepted with its target probability (as
     with sibling-order rejection sampling), and a zero-probability draft never is.
     """
     drawn = sample_from_probs(target_probs, coins)

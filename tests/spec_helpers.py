@@ -9,6 +9,7 @@ import torch
 import engine.spec as spec
 from engine.tools.make_draft import make_draft
 from engine.tools.make_tiny import make_tiny
+from ops.sampling import sample_from_probs, target_probs
 
 TARGETS = {
     # MoE with expert groups and yarn; one dense layer first
@@ -64,6 +65,32 @@ def oracle_draft(seed: int = 0, demote: float = 0.35, noise: float = 1.0, gap: f
         return out
 
     draft.stats = stats
+    return draft
+
+
+def sampling_oracle():
+    """A drafter that knows the target's distributions: its depth-`d` logits are the target's
+    own after the first `d` tokens that the step's coins draw (what plain decoding would emit),
+    so a sampled row's coupled tree holds that continuation as its spine."""
+
+    def draft(models, pool, buf, shape, ctx_slots):
+        target, L = models.target, shape.draft_depth
+        bs, c = buf.anchor.shape[0], models.target.cfg
+        chain = torch.zeros(bs, L + 1, dtype=torch.int64)
+        chain[:, 0] = buf.anchor
+        scratch = torch.zeros(c.num_hidden_layers, bs, L + 1, c.kv_cache_dim,
+                              dtype=buf.tree_kv.dtype)
+        causal = torch.ones(L + 1, L + 1, dtype=torch.bool).tril()[None].expand(bs, -1, -1)
+        pos = buf.cache_len[:, None] + torch.arange(L + 1)
+        out = torch.zeros(bs, L, c.vocab_size)
+        for d in range(L):
+            logits, _ = target.verify(chain, pos, pool.target, ctx_slots, buf.cache_len, causal,
+                                      scratch)
+            out[:, d] = logits[:, d]
+            probs = target_probs(logits[:, d:d + 1], buf.temperature, buf.top_k, buf.top_p)
+            chain[:, d + 1] = sample_from_probs(probs, buf.coins[:, d:d + 1])[:, 0]
+        return out
+
     return draft
 
 

@@ -1,15 +1,23 @@
-"""Target distributions (temperature, top-k, top-p) and inverse-CDF sampling."""
+"""Target distributions (temperature, top-k, top-p) and the race that samples them."""
 
 from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 from scipy import stats
 from torch import Tensor
 
-from ops.sampling import row_path, row_promises, sample_from_probs, target_probs
+from ops.sampling import (
+    race_logits,
+    race_noise,
+    row_path,
+    row_promises,
+    sample_from_probs,
+    target_probs,
+)
 from tests.fakeguard import run_on_fake
 
 
@@ -95,23 +103,67 @@ def test_ties_keep_lower_token_ids() -> None:
     assert float(got[0, 0]) == 1.0 and bool((got[0, 1:] > 0).all())
 
 
-@pytest.mark.parametrize(
-    ("probs", "coin", "token"),
-    [
-        ([0.0, 0.5, 0.0, 0.5], 0.0, 1),  # u = 0 picks the first positive token, zeros skipped
-        ([0.0, 0.5, 0.0, 0.5], 0.49, 1),
-        ([0.0, 0.5, 0.0, 0.5], 0.5, 3),  # cumsum must strictly exceed u * sum
-        ([0.0, 0.5, 0.0, 0.5], 0.999, 3),
-        ([0.0, 2.0, 0.0, 6.0], 0.25, 3),  # unnormalised
-        ([0.0, 2.0, 0.0, 6.0], 0.2499, 1),
-        ([0.2, 0.8, 0.0, 0.0], 0.9999999, 1),  # never a trailing zero
-        ([0.5, 0.5, 0.0], 1.0, 1),  # u * sum at the total: last positive token
-        ([0.0, 0.0, 0.0], 0.3, 0),  # all zero: token 0
-    ],
-)
-def test_sample_from_probs_hand_cases(probs: list[float], coin: float, token: int) -> None:
-    got = sample_from_probs(torch.tensor([probs]), torch.tensor([coin]))
-    assert got.tolist() == [token]
+def race_reference(probs: list[float], coin: float) -> int:
+    """One draw, from the definition, in numpy's uint32 arithmetic: the coin's bits, hashed, key
+    one 32-bit value per token id; its top 24 bits give `u`, the noise is `-log u`, and the token
+    with the largest `p / noise` wins (the first on a tie)."""
+    def mix(x: np.ndarray) -> np.ndarray:
+        x = x ^ (x >> np.uint32(16))
+        x = x * np.uint32(0x21F0AAAD)
+        x = x ^ (x >> np.uint32(15))
+        x = x * np.uint32(0x735A2D97)
+        return x ^ (x >> np.uint32(15))
+
+    with np.errstate(over="ignore"):
+        key = mix(np.array([coin], dtype=np.float32).view(np.uint32))
+        ids = np.arange(len(probs), dtype=np.uint32) * np.uint32(0x9E3779B9)
+        h = mix(key + ids)
+    u = ((h >> np.uint32(8)).astype(np.float64) + 0.5) / (1 << 24)
+    return int(np.argmax(np.asarray(probs, dtype=np.float64) / -np.log(u)))
+
+
+def test_race_matches_its_definition() -> None:
+    g = torch.Generator().manual_seed(5)
+    probs = torch.rand(300, 40, generator=g) ** 4
+    probs[probs < 0.05] = 0.0
+    probs[0] = 0.0
+    coins = torch.rand(300, generator=g)
+    coins[1] = 0.0
+    got = sample_from_probs(probs, coins).tolist()
+    assert got == [race_reference(p, c) for p, c in zip(probs.tolist(), coins.tolist())]
+    assert got[0] == 0  # an all-zero row: token 0
+    assert all(probs[i, t] > 0 for i, t in enumerate(got[1:], 1))  # zero mass never wins
+    # Scale does not matter, the coin alone keys the noise, and a one-hot row is deterministic.
+    assert torch.equal(sample_from_probs(probs * 7.5, coins), sample_from_probs(probs, coins))
+    assert sample_from_probs(probs[:5], coins[:5]).tolist() == got[:5]  # whatever the batch
+    one_hot = torch.zeros(300, 40)
+    one_hot[:, 17] = 1.0
+    assert sample_from_probs(one_hot, coins).eq(17).all()
+
+
+def test_race_noise_is_unit_exponential_and_independent() -> None:
+    g = torch.Generator().manual_seed(6)
+    noise = race_noise(torch.rand(2000, generator=g), 50)  # [2000, 50]
+    assert noise.shape == (2000, 50) and bool((noise > 0).all())
+    assert stats.kstest(noise.flatten().numpy(), "expon").pvalue > 1e-4
+    # Neighbouring tokens of one coin, and one token across neighbouring coins, are unrelated.
+    u = torch.exp(-noise).double()
+    for a, b in ((u[:, :-1], u[:, 1:]), (u[:-1], u[1:])):
+        r = stats.pearsonr(a.flatten().numpy(), b.flatten().numpy())
+        assert abs(r.statistic) < 0.02
+    assert torch.equal(race_noise(torch.tensor([0.25, 0.25]), 50)[0],
+                       race_noise(torch.tensor([0.25]), 50)[0])
+
+
+def test_race_logits_rank_the_race() -> None:
+    g = torch.Generator().manual_seed(7)
+    logits = torch.randn(64, 3, 30, generator=g) * 2
+    logits[logits < -3] = float("-inf")
+    coins = torch.rand(64, 3, generator=g)
+    raced = race_logits(logits, coins)
+    assert torch.equal(raced.argmax(-1), sample_from_probs(torch.softmax(logits, -1), coins))
+    assert bool(torch.isneginf(raced[logits.isneginf()]).all())
+    assert bool(raced[logits.isfinite()].isfinite().all())
 
 
 def test_sample_from_probs_batched_and_distributed() -> None:

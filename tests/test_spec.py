@@ -8,8 +8,9 @@ import pytest
 import torch
 from scipy import stats
 
+import engine.spec as spec
 from engine import LLM, SamplingParams
-from tests.spec_helpers import TARGETS, make_pair, use_oracle
+from tests.spec_helpers import TARGETS, make_pair, sampling_oracle, use_oracle
 
 PROMPT_LENS = [1, 200, 7, 64, 33, 120]
 GREEDY = SamplingParams(max_new_tokens=48, ignore_eos=True)
@@ -274,6 +275,32 @@ def test_sampled_tokens_are_plain_decodings_with_the_same_seed(pair, mode, budge
     assert _tokens(outs) == _tokens(ar)
     if mode == "chain" or budget > 0:  # the sampled rows took drafts
         assert max(a for o in outs[:3] for a in o.accept_lengths) >= 2
+
+
+@pytest.mark.parametrize("mode,budget", [("chain", None), ("tree", 16)])
+def test_sampled_rows_draft_what_the_target_will_draw(pair, mode, budget, monkeypatch):
+    """Coupled drafting: a sampled row's draft distributions are raced with the coins of the
+    positions they fill. A drafter that knows the target's distributions then drafts what the
+    target draws: its chain is accepted whole at every step; a tree holds that chain among its
+    branches and accepts far more than without the coupling. The tokens stay plain decoding's
+    (the third row truncates, which the drafter's race does not: it drafts less surely)."""
+    target, draft = pair
+    ps = prompts_for(768, lens=[12, 5, 40], seed=5)
+    params = [SamplingParams(temperature=t, top_k=k, top_p=p, max_new_tokens=25, ignore_eos=True,
+                             seed=s) for t, k, p, s in [(1.0, 0, 1.0, 1), (0.8, 0, 1.0, 2),
+                                                        (1.2, 30, 0.9, 3)]]
+    ar = LLM(target, mode="ar", max_batch_size=4, progress=False).generate(ps, params)
+    monkeypatch.setattr(spec, "draft", sampling_oracle())
+    llm = LLM(target, draft, mode=mode, budget=budget, max_batch_size=4, progress=False)
+    outs = llm.generate(ps, params)
+    assert _tokens(outs) == _tokens(ar)
+    steps = sum(len(o.accept_lengths) for o in outs)
+    if mode == "chain":  # 25 tokens: the prefill's, then three steps of 7 drafts and the bonus
+        assert [o.accept_lengths for o in outs[:2]] == [[8, 8, 8]] * 2
+    monkeypatch.setattr(spec, "couple", lambda logits, buf, shape: logits)
+    uncoupled = llm.generate(ps, params)
+    assert _tokens(uncoupled) == _tokens(ar)
+    assert sum(len(o.accept_lengths) for o in uncoupled) > 1.5 * steps
 
 
 def test_same_seed_same_output_whatever_the_batch(pair):

@@ -15,6 +15,7 @@ from ops.sampling import row_promises, sample_from_probs, target_probs
 from ops.tree import DDTree, build_ddtree
 from ops.verify import Decision, tree_greedy, tree_sample
 from tests.fakeguard import run_on_fake
+from tests.test_sampling import race_reference
 
 # Per-check false-alarm rate; with at most 100 seeded checks the family rate stays under 1e-4.
 ALPHA = 1e-6
@@ -89,16 +90,9 @@ def test_known_answer_greedy_and_depth_limit() -> None:
 # --- host emulation of the kernel, one request and one child at a time -----------------------
 
 
-def naive_draw(p: np.ndarray, u: float) -> int:
-    """Inverse CDF in float64: the smallest token with mass whose cumulative mass exceeds u."""
-    p = p.astype(np.float64)
-    cdf = np.cumsum(p)
-    return int(np.argmax((cdf > u * cdf[-1]) & (p > 0))) if cdf[-1] > 0 else 0
-
-
 def naive_sample(cand, nt, ns, probs, coins, width) -> tuple[list[int], list[int]]:
     """The sampled walk as stated: every node draws with its coin, the walk follows the draws."""
-    draws = [naive_draw(probs[i], coins[i]) for i in range(len(cand))]
+    draws = [race_reference(list(probs[i]), float(coins[i])) for i in range(len(cand))]
     return naive_greedy(cand, nt, ns, draws, width)
 
 
@@ -194,15 +188,27 @@ def test_strict_rule_and_empty_rows() -> None:
     ns = torch.tensor([[-1, 2, -1]] * 4)
     probs = torch.zeros(4, 3, 8)
     probs[:, 1:, 6] = 1.0
-    probs[0, 0, 5] = probs[0, 0, 7] = 0.5  # the zero-mass first child is skipped even at u == 0
-    probs[1, 0, 2], probs[1, 0, 5] = 0.4, 0.6  # u just below 1 lands on the last token with mass
+    # Row 0: the first child (token 2) has no mass and is never accepted, whatever the coin;
+    # its sibling (token 5) is light and nearly never is (token 7 takes the draw).
+    probs[0, 0, 5], probs[0, 0, 7] = 1e-6, 1.0
+    probs[1, 0, 2], probs[1, 0, 5] = 0.4, 0.6  # both children have mass: the race picks one
     # Row 2: an all-zero row draws token 0, which no child holds.
     probs[3, 0, 7] = 1.0  # every child has zero mass: none is accepted, whatever the coin
     coins = torch.tensor([[0.0, 0.5, 0.5], [1 - 2**-24, 0.5, 0.5], [0.5] * 3, [0.0, 0.5, 0.5]])
     out = tree_sample(cand, nt, ns, probs, coins)
-    assert out.accept_len.tolist() == [1, 1, 0, 0]
-    assert out.emit[:, :2].tolist() == [[5, 6], [5, 6], [0, -1], [7, -1]]
-    assert out.accept_nodes[:, :2].tolist() == [[0, 2], [0, 2], [0, -1], [0, -1]]
+    first = [race_reference(probs[b, 0].tolist(), float(coins[b, 0])) for b in range(4)]
+    assert first[0] in (5, 7) and first[1] in (2, 5) and first[2:] == [0, 7]
+    node = {2: 1, 5: 2}
+    assert out.accept_len.tolist() == [int(first[0] == 5), 1, 0, 0]
+    assert out.emit[:, :2].tolist() == [[5, 6] if first[0] == 5 else [7, -1], [first[1], 6],
+                                        [0, -1], [7, -1]]
+    assert out.accept_nodes[:, :2].tolist() == [[0, 2] if first[0] == 5 else [0, -1],
+                                                [0, node[first[1]]], [0, -1], [0, -1]]
+    # Over many coins the light child is accepted about as often as its mass says.
+    many = torch.rand(20_000, 3, generator=torch.Generator().manual_seed(2))
+    out = tree_sample(cand[:1].expand(20_000, 3), nt[:1].expand(20_000, 3),
+                      ns[:1].expand(20_000, 3), probs[:1].expand(20_000, 3, 8), many)
+    assert int(out.accept_len.sum()) <= 5
 
 
 def test_long_sibling_chains() -> None:
