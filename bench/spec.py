@@ -5,9 +5,9 @@
 On one model (default: the bundled one) and the same prompts (held-out corpus files for the bundled
 model, never trained on), greedy at batch size 1 by default, runs our `ar`, `chain` and `tree` at
 each budget, one sampled `tree` run (temperature 0.7, budget 16) for its accepted length beside the
-perfect-drafter ceiling at that budget and temperature (`perfect_ceiling`), and, as peers on the
-same checkpoint, transformers' greedy `generate` and its prompt-lookup speculative decoding; then
-the default budget policy (`policy`: each step's budget from the shipped table, down to plain
+uncoupled perfect-drafter ceiling at that budget and temperature (`perfect_ceiling`), and, as peers
+on the same checkpoint, transformers' greedy `generate` and its prompt-lookup speculative decoding;
+then the default budget policy (`policy`: each step's budget from the shipped table, down to plain
 decoding) greedy and sampled, each against `ar` at the same temperature (`--policy-only` runs just
 those). `--compile` runs our engines' compiled step. Every engine is loaded once; then `--rounds`
 passes run all of them in turn, each pass's order rotated by one (`round_order`: a slow spell of a
@@ -119,10 +119,12 @@ def theirs(model: Path, prompts: list[list[int]], new_tokens: int, lookup: int |
 
 def perfect_ceiling(model: Path, prompts: list[list[int]], outputs: list[list[int]],
                     budget: int, temperature: float, positions: int = 256) -> float | None:
-    """Tokens per step a perfect drafter would reach when sampling: at `positions` points spread
-    over the target's own sampled `outputs`, one plus the mass of the best-first tree of `budget`
-    nodes over the target's own conditionals at `temperature` (exact tree sampling reaches a node
-    with its path's probability, and no tree of that budget holds more). None without
+    """Tokens per step a perfect drafter would reach when sampling without the step's coins: at
+    `positions` points spread over the target's own sampled `outputs`, one plus the mass of the
+    best-first tree of `budget` nodes over the target's own conditionals at `temperature` (a tree
+    built blind to the coins reaches a node with its path's probability, and no such tree of that
+    budget holds more). The engine's coupled drafting races the drafter with the coins, which
+    this does not bound: a perfect drafter raced so would accept every depth. None without
     transformers, which runs the conditionals here."""
     import heapq
 

@@ -260,12 +260,16 @@ def _mix32(x: Tensor) -> Tensor:
     return x ^ (x >> 15)
 
 
-def race_noise(coins: Tensor, vocab: int) -> Tensor:
-    """Exponential variates `[..., V]` (fp32, rate 1), one per token for each coin `[...]` in
-    [0, 1): the same coin gives the same noise on every device and in every batch."""
+def race_noise(coins: Tensor, vocab: int | Tensor) -> Tensor:
+    """Exponential variates (fp32, rate 1), one per token for each coin `[...]` in [0, 1):
+    `[..., V]` for every token id below `vocab`, or `[..., M]` for the token ids `vocab [..., M]`.
+    The same coin gives the same noise to a token on every device and in every batch."""
     key = _mix32(coins.to(torch.float32).contiguous().view(torch.int32).to(torch.int64) & _M32)
-    ids = (torch.arange(vocab, device=coins.device, dtype=torch.int64) * 0x9E3779B9) & _M32
-    h = _mix32((key.unsqueeze(-1) + ids) & _M32)
+    if isinstance(vocab, int):
+        ids = torch.arange(vocab, device=coins.device, dtype=torch.int64)
+    else:
+        ids = vocab.to(torch.int64)
+    h = _mix32((key.unsqueeze(-1) + ids * 0x9E3779B9) & _M32)
     u = ((h >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))  # 24 bits, in (0, 1)
     return -torch.log(u)
 
@@ -282,7 +286,8 @@ def sample_from_probs(probs: Tensor, coins: Tensor, *, use_flashinfer: bool = Fa
     with the same coin picks the same token whenever it is close to the target's
     (`race_logits`): that is what lets a sampled row draft the token the target will draw.
 
-    `use_flashinfer=True` switches CUDA tensors to flashinfer's fused sampler when it imports. That
+    On CUDA the race is one Triton kernel (`ops.sampling_triton`) that reads each row once; the
+    torch twin below writes the noise of every token. `use_flashinfer=True` switches CUDA tensors to flashinfer's fused sampler when it imports. That
     kernel draws its own uniforms from its philox state, so the result is a sample of the same
     distribution but does not follow `coins`; it stays opt-in for that reason.
     """
@@ -290,16 +295,36 @@ def sample_from_probs(probs: Tensor, coins: Tensor, *, use_flashinfer: bool = Fa
         drawn = _flashinfer_sample(probs)
         if drawn is not None:
             return drawn
+    if probs.is_cuda:
+        try:
+            # NOTE: imported lazily: a CPU run never needs triton (the `gpu` extra).
+            from ops.sampling_triton import race_sample_triton
+        except ImportError:
+            pass
+        else:
+            return race_sample_triton(probs, coins)
     return (probs.float() / race_noise(coins, probs.shape[-1])).argmax(-1)
 
 
-def race_logits(logits: Tensor, coins: Tensor) -> Tensor:
+# Candidates per row that `race_logits` races when asked to bound its work: a tree takes at most
+# its budget of tokens per depth, and a drafter's tempered mass past its 64 most likely tokens
+# is a token's chance to win the race from there.
+RACE_CANDIDATES = 64
+
+
+def race_logits(logits: Tensor, coins: Tensor, candidates: int | None = None) -> Tensor:
     """`logits + G` `[..., V]` for the race's noise of `coins` (`G = -log E`, standard Gumbel):
     its argmax is `sample_from_probs(softmax(logits), coins)`, and its softmax is the chance of
     each token to win that race if the logits were off by independent Gumbel noise. Raced with the
     coins the target will draw with, a drafter's logits rank its candidates by how likely each
-    is to be the target's draw."""
-    return logits.float() - torch.log(race_noise(coins, logits.shape[-1]))
+    is to be the target's draw. With `candidates`, only that many largest logits per row race
+    (the rest are -inf): the noise is hashed for them alone."""
+    vocab = logits.shape[-1]
+    if candidates is None or candidates >= vocab:
+        return logits.float() - torch.log(race_noise(coins, vocab))
+    vals, ids = logits.float().topk(candidates, dim=-1)
+    raced = vals - torch.log(race_noise(coins, ids))
+    return torch.full_like(logits, float("-inf"), dtype=torch.float32).scatter_(-1, ids, raced)
 
 
 def _flashinfer_sample(probs: Tensor) -> Tensor | None:
