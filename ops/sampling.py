@@ -287,9 +287,10 @@ def sample_from_probs(probs: Tensor, coins: Tensor, *, use_flashinfer: bool = Fa
     (`race_logits`): that is what lets a sampled row draft the token the target will draw.
 
     On CUDA the race is one Triton kernel (`ops.sampling_triton`) that reads each row once; the
-    torch twin below writes the noise of every token. `use_flashinfer=True` switches CUDA tensors to flashinfer's fused sampler when it imports. That
-    kernel draws its own uniforms from its philox state, so the result is a sample of the same
-    distribution but does not follow `coins`; it stays opt-in for that reason.
+    torch twin below writes the noise of every token. `use_flashinfer=True` switches CUDA tensors
+    to flashinfer's fused sampler when it imports. That kernel draws its own uniforms from its
+    philox state, so the result is a sample of the same distribution but does not follow `coins`;
+    it stays opt-in for that reason.
     """
     if use_flashinfer and probs.is_cuda:
         drawn = _flashinfer_sample(probs)
@@ -306,25 +307,21 @@ def sample_from_probs(probs: Tensor, coins: Tensor, *, use_flashinfer: bool = Fa
     return (probs.float() / race_noise(coins, probs.shape[-1])).argmax(-1)
 
 
-# Candidates per row that `race_logits` races when asked to bound its work: a tree takes at most
-# its budget of tokens per depth, and a drafter's tempered mass past its 64 most likely tokens
-# is a token's chance to win the race from there.
-RACE_CANDIDATES = 64
-
-
-def race_logits(logits: Tensor, coins: Tensor, candidates: int | None = None) -> Tensor:
-    """`logits + G` `[..., V]` for the race's noise of `coins` (`G = -log E`, standard Gumbel):
-    its argmax is `sample_from_probs(softmax(logits), coins)`, and its softmax is the chance of
-    each token to win that race if the logits were off by independent Gumbel noise. Raced with the
-    coins the target will draw with, a drafter's logits rank its candidates by how likely each
-    is to be the target's draw. With `candidates`, only that many largest logits per row race
-    (the rest are -inf): the noise is hashed for them alone."""
-    vocab = logits.shape[-1]
-    if candidates is None or candidates >= vocab:
-        return logits.float() - torch.log(race_noise(coins, vocab))
-    vals, ids = logits.float().topk(candidates, dim=-1)
-    raced = vals - torch.log(race_noise(coins, ids))
-    return torch.full_like(logits, float("-inf"), dtype=torch.float32).scatter_(-1, ids, raced)
+def race_logits(logits: Tensor, coins: Tensor) -> Tensor:
+    """`logits + G` `[..., V]` (fp32) for the race's noise of `coins` `[...]` (`G = -log E`,
+    standard Gumbel): its argmax is `sample_from_probs(softmax(logits), coins)`, and its softmax
+    is the chance of each token to win that race if the logits were off by independent Gumbel
+    noise. Raced with the coins the target will draw with, a drafter's logits rank its
+    candidates by how likely each is to be the target's draw. On CUDA one Triton pass
+    (`ops.sampling_triton`) writes it."""
+    if logits.is_cuda:
+        try:
+            from ops.sampling_triton import race_logits_triton
+        except ImportError:
+            pass
+        else:
+            return race_logits_triton(logits, coins)
+    return logits.float() - torch.log(race_noise(coins, logits.shape[-1]))
 
 
 def _flashinfer_sample(probs: Tensor) -> Tensor | None:

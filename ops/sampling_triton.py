@@ -1,4 +1,4 @@
-"""The race of `ops.sampling.sample_from_probs` as one Triton kernel.
+"""The race of `ops.sampling.sample_from_probs`, and `ops.sampling.race_logits`, as Triton kernels.
 
 Each program takes one row of probabilities `[V]` and its coin, hashes each token's unit
 exponential from the coin as it loads the row (the same hash as `ops.sampling.race_noise`), and
@@ -82,3 +82,47 @@ def race_sample_triton(probs: Tensor, coins: Tensor, block: int = BLOCK) -> Tens
         kernel_for(_race_kernel, probs.device)[(rows.shape[0],)](
             rows, flat, out, rows.stride(0), V=vocab, BLOCK_V=block)
     return out.view(probs.shape[:-1])
+
+
+@triton.jit
+def _race_logits_kernel(x_ptr, coin_ptr, out_ptr, stride, V: tl.constexpr, BLOCK_V: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    c1 = tl.full([], 0x21F0AAAD, tl.uint32)
+    c2 = tl.full([], 0x735A2D97, tl.uint32)
+    golden = tl.full([], 0x9E3779B9, tl.uint32)
+    k = tl.load(coin_ptr + row).to(tl.uint32, bitcast=True)
+    k = k ^ (k >> 16)
+    k = k * c1
+    k = k ^ (k >> 15)
+    k = k * c2
+    k = k ^ (k >> 15)
+    ids = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
+    live = ids < V
+    x = tl.load(x_ptr + row * stride + ids, mask=live, other=0.0).to(tl.float32)
+    h = k + ids.to(tl.uint32) * golden
+    h = h ^ (h >> 16)
+    h = h * c1
+    h = h ^ (h >> 15)
+    h = h * c2
+    h = h ^ (h >> 15)
+    u = ((h >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
+    tl.store(out_ptr + row * V + ids, x - tl.log(-tl.log(u)), mask=live)
+
+
+def race_logits_triton(logits: Tensor, coins: Tensor, block: int = BLOCK) -> Tensor:
+    """`ops.sampling.race_logits(logits [..., V], coins [...])` (fp32 `[..., V]`) in one pass:
+    each element read once and written once (equal to the twin up to the rounding of `log`)."""
+    vocab = logits.shape[-1]
+    rows = logits.reshape(-1, vocab)
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    flat = coins.to(torch.float32).reshape(-1).contiguous()
+    if flat.shape[0] != rows.shape[0]:
+        raise ValueError(f"one coin per row: {tuple(coins.shape)} coins for logits "
+                         f"{tuple(logits.shape)}")
+    out = torch.empty(rows.shape, dtype=torch.float32, device=logits.device)
+    if rows.shape[0]:
+        block = min(block, triton.next_power_of_2(vocab))
+        kernel_for(_race_logits_kernel, logits.device)[(rows.shape[0], triton.cdiv(vocab, block))](
+            rows, flat, out, rows.stride(0), V=vocab, BLOCK_V=block)
+    return out.view(logits.shape)
