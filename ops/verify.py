@@ -127,8 +127,8 @@ def tree_sample(
 
     Exact, and the same tokens as plain decoding: the token at each position is the draw from the
     target's distribution given the accepted prefix, with that position's coin, which is how
-    plain decoding draws it. A child is accepted with its target probability (as
-    with sibling-order rejection sampling), and a zero-probability draft never is.
+    plain decoding draws it. A child is accepted with its target probability (as with
+    sibling-order rejection sampling), and a zero-probability draft never is.
     """
     drawn = sample_from_probs(target_probs, coins)
     return tree_greedy(candidates, next_token, next_sibling, drawn, max_accept)
