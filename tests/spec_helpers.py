@@ -37,20 +37,10 @@ def oracle_draft(seed: int = 0, demote: float = 0.35, noise: float = 1.0, gap: f
     stats = {"calls": 0}
 
     def draft(models, pool, buf, shape, ctx_slots):
-        target = models.target
         bs, L = buf.anchor.shape[0], shape.depth
-        c = target.cfg
-        chain = torch.zeros(bs, L + 1, dtype=torch.int64)
-        chain[:, 0] = buf.anchor
-        scratch = torch.zeros(c.num_hidden_layers, bs, L + 1, c.kv_cache_dim,
-                              dtype=buf.tree_kv.dtype)
-        causal = torch.ones(L + 1, L + 1, dtype=torch.bool).tril()[None].expand(bs, -1, -1)
-        pos = buf.cache_len[:, None] + torch.arange(L + 1)
-        for d in range(L):
-            logits, _ = target.verify(chain, pos, pool.target, ctx_slots, buf.cache_len, causal,
-                                      scratch)
-            chain[:, d + 1] = logits[:, d].argmax(-1)
-        V = c.vocab_size
+        chain, _ = target_chain(models, pool, buf, ctx_slots, L,
+                                lambda logits, d: logits.argmax(-1))
+        V = models.target.cfg.vocab_size
         out = torch.randn(bs, L, V, generator=g) * noise
         top = out.max(-1).values
         right = chain[:, 1:]
@@ -74,24 +64,32 @@ def sampling_oracle():
     so a sampled row's coupled tree holds that continuation as its spine."""
 
     def draft(models, pool, buf, shape, ctx_slots):
-        target, L = models.target, shape.draft_depth
-        bs, c = buf.anchor.shape[0], models.target.cfg
-        chain = torch.zeros(bs, L + 1, dtype=torch.int64)
-        chain[:, 0] = buf.anchor
-        scratch = torch.zeros(c.num_hidden_layers, bs, L + 1, c.kv_cache_dim,
-                              dtype=buf.tree_kv.dtype)
-        causal = torch.ones(L + 1, L + 1, dtype=torch.bool).tril()[None].expand(bs, -1, -1)
-        pos = buf.cache_len[:, None] + torch.arange(L + 1)
-        out = torch.zeros(bs, L, c.vocab_size)
-        for d in range(L):
-            logits, _ = target.verify(chain, pos, pool.target, ctx_slots, buf.cache_len, causal,
-                                      scratch)
-            out[:, d] = logits[:, d]
-            probs = target_probs(logits[:, d:d + 1], buf.temperature, buf.top_k, buf.top_p)
-            chain[:, d + 1] = sample_from_probs(probs, buf.coins[:, d:d + 1])[:, 0]
-        return out
+        def draw(logits, d):
+            probs = target_probs(logits[:, None], buf.temperature, buf.top_k, buf.top_p)
+            return sample_from_probs(probs, buf.coins[:, d:d + 1])[:, 0]
+
+        return target_chain(models, pool, buf, ctx_slots, shape.draft_depth, draw)[1]
 
     return draft
+
+
+def target_chain(models, pool, buf, ctx_slots, L, pick):
+    """The target's own continuation of each row's anchor for `L` tokens, token `d + 1` being
+    `pick(logits at depth d [bs, V], d)`: the chain `[bs, L + 1]` and the logits `[bs, L, V]`."""
+    target, c = models.target, models.target.cfg
+    bs = buf.anchor.shape[0]
+    chain = torch.zeros(bs, L + 1, dtype=torch.int64)
+    chain[:, 0] = buf.anchor
+    scratch = torch.zeros(c.num_hidden_layers, bs, L + 1, c.kv_cache_dim, dtype=buf.tree_kv.dtype)
+    causal = torch.ones(L + 1, L + 1, dtype=torch.bool).tril()[None].expand(bs, -1, -1)
+    pos = buf.cache_len[:, None] + torch.arange(L + 1)
+    out = torch.zeros(bs, L, c.vocab_size)
+    for d in range(L):
+        logits, _ = target.verify(chain, pos, pool.target, ctx_slots, buf.cache_len, causal,
+                                  scratch)
+        out[:, d] = logits[:, d]
+        chain[:, d + 1] = pick(logits[:, d], d)
+    return chain, out
 
 
 def use_oracle(monkeypatch, **kw):
