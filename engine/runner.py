@@ -401,9 +401,7 @@ class StepGraphRunner:
             promise = row_promises(cuts, vocab)
             if self.compile:
                 promise = {k: size if v and k != "filtered" else v for k, v in promise.items()}
-            eager = {} if self.compile else {"sort_if_needed": True, "sampled_rows": sum(
-                not x.greedy for x in inp.params)}
-            shape = replace(shape, **promise, **eager)
+            shape = replace(shape, **promise, host_reads=not self.compile)
         width = self.max_pages
         if not self.use_graphs:
             # Gather only as much context as this batch has (a captured graph needs the full

@@ -27,7 +27,7 @@ from ops.attention import PrefixKernel, gather_slots
 from ops.paged import table_slots
 from ops.sampling import race_logits, sample_from_probs, target_probs
 from ops.tree import DDTree, build_ddtree, chain_tree
-from ops.verify import Decision, tree_greedy, tree_sample
+from ops.verify import Decision, tree_greedy
 
 
 @dataclass(frozen=True)
@@ -45,11 +45,10 @@ class StepShape:
     # `ops.sampling.row_path`, eager only); None: every row, which a captured graph needs.
     topk_rows: int | None = None
     sort_rows: int | None = None
-    # Eager only: sort those rows only when the bounded cut is not exact (a host read).
-    sort_if_needed: bool = False
-    # Eager only: the rows that sample are picked out on the host (the others, greedy, take
-    # the argmax and never pay for the race); None: every row, which a captured graph needs.
-    sampled_rows: int | None = None
+    # Eager only: the step may read the device on the host. It then sorts those rows only when
+    # the bounded cut is not exact, and picks out the rows that sample (greedy ones take the
+    # argmax and never pay for the race); a captured or compiled graph runs every row alike.
+    host_reads: bool = False
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -265,11 +264,9 @@ def couple(draft_logits: Tensor, buf: StepBuffers, shape: StepShape) -> Tensor:
 
 
 def _sampled_rows(buf: StepBuffers, shape: StepShape) -> Tensor | None:
-    """The ids of the rows that sample, read on the host (eager steps: `shape.sampled_rows`);
-    None for every row."""
-    if shape.sampled_rows is None:
-        return None
-    return (buf.top_k != 1).nonzero()[:, 0]
+    """The ids of the rows that sample (greedy rows are top-k 1), read on the host when the
+    step may (`shape.host_reads`); None for every row."""
+    return (buf.top_k != 1).nonzero()[:, 0] if shape.host_reads else None
 
 
 def _row_probs(logits: Tensor, buf: StepBuffers, shape: StepShape, rows: Tensor | None = None
@@ -280,7 +277,7 @@ def _row_probs(logits: Tensor, buf: StepBuffers, shape: StepShape, rows: Tensor 
     if rows is not None:
         logits, t, k, p = logits[rows], t[rows], k[rows], p[rows]
     return target_probs(logits, t, k, p, shape.filtered, topk_rows=shape.topk_rows,
-                        sort_rows=shape.sort_rows, sort_if_needed=shape.sort_if_needed)
+                        sort_rows=shape.sort_rows, sort_if_needed=shape.host_reads)
 
 
 def build(draft_logits: Tensor | None, buf: StepBuffers, shape: StepShape) -> DDTree:
@@ -316,17 +313,17 @@ def decide(logits: Tensor, tree: DDTree, buf: StepBuffers, shape: StepShape) -> 
                            max_accept=L)
     # A node at depth d draws the token of the step's d-th position, with that position's coin
     # (depths run 0 .. S - 1: a tree of budget K reaches depth min(K, L), and S = min(K, L) + 1).
+    # The walk is then the greedy one over the draws (`ops.verify.tree_sample`).
     coins = buf.coins.gather(1, tree.depth)
     rows = _sampled_rows(buf, shape)
-    if rows is not None:
-        # Greedy rows take the argmax, as in a greedy step; only the sampling rows race.
+    if rows is None:
+        drawn = sample_from_probs(_row_probs(logits, buf, shape), coins)
+    else:  # greedy rows take the argmax, as in a greedy step; only the sampling rows race
         drawn = logits.argmax(-1)
         if len(rows):
             drawn = drawn.index_copy(0, rows, sample_from_probs(
                 _row_probs(logits, buf, shape, rows), coins[rows]))
-        return tree_greedy(tree.tokens, tree.next_token, tree.next_sibling, drawn, max_accept=L)
-    return tree_sample(tree.tokens, tree.next_token, tree.next_sibling,
-                       _row_probs(logits, buf, shape), coins, max_accept=L)
+    return tree_greedy(tree.tokens, tree.next_token, tree.next_sibling, drawn, max_accept=L)
 
 
 def feed_drafter(drafter: DFlashDrafter, pool: KVPool, feats: Tensor, positions: Tensor,

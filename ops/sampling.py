@@ -260,15 +260,11 @@ def _mix32(x: Tensor) -> Tensor:
     return x ^ (x >> 15)
 
 
-def race_noise(coins: Tensor, vocab: int | Tensor) -> Tensor:
-    """Exponential variates (fp32, rate 1), one per token for each coin `[...]` in [0, 1):
-    `[..., V]` for every token id below `vocab`, or `[..., M]` for the token ids `vocab [..., M]`.
-    The same coin gives the same noise to a token on every device and in every batch."""
+def race_noise(coins: Tensor, vocab: int) -> Tensor:
+    """Exponential variates `[..., V]` (fp32, rate 1), one per token id for each coin `[...]` in
+    [0, 1): the same coin gives the same noise to a token on every device and in every batch."""
     key = _mix32(coins.to(torch.float32).contiguous().view(torch.int32).to(torch.int64) & _M32)
-    if isinstance(vocab, int):
-        ids = torch.arange(vocab, device=coins.device, dtype=torch.int64)
-    else:
-        ids = vocab.to(torch.int64)
+    ids = torch.arange(vocab, device=coins.device, dtype=torch.int64)
     h = _mix32((key.unsqueeze(-1) + ids * 0x9E3779B9) & _M32)
     u = ((h >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))  # 24 bits, in (0, 1)
     return -torch.log(u)
@@ -296,14 +292,8 @@ def sample_from_probs(probs: Tensor, coins: Tensor, *, use_flashinfer: bool = Fa
         drawn = _flashinfer_sample(probs)
         if drawn is not None:
             return drawn
-    if probs.is_cuda:
-        try:
-            # NOTE: imported lazily: a CPU run never needs triton (the `gpu` extra).
-            from ops.sampling_triton import race_sample_triton
-        except ImportError:
-            pass
-        else:
-            return race_sample_triton(probs, coins)
+    if probs.is_cuda and (kernels := _race_kernels()) is not None:
+        return kernels.race_sample_triton(probs, coins)
     return (probs.float() / race_noise(coins, probs.shape[-1])).argmax(-1)
 
 
@@ -314,14 +304,19 @@ def race_logits(logits: Tensor, coins: Tensor) -> Tensor:
     noise. Raced with the coins the target will draw with, a drafter's logits rank its
     candidates by how likely each is to be the target's draw. On CUDA one Triton pass
     (`ops.sampling_triton`) writes it."""
-    if logits.is_cuda:
-        try:
-            from ops.sampling_triton import race_logits_triton
-        except ImportError:
-            pass
-        else:
-            return race_logits_triton(logits, coins)
+    if logits.is_cuda and (kernels := _race_kernels()) is not None:
+        return kernels.race_logits_triton(logits, coins)
     return logits.float() - torch.log(race_noise(coins, logits.shape[-1]))
+
+
+def _race_kernels() -> Any:
+    """`ops.sampling_triton`, or None without triton (the `gpu` extra): imported lazily, so a
+    CPU run never needs it."""
+    try:
+        import ops.sampling_triton as kernels
+    except ImportError:
+        return None
+    return kernels
 
 
 def _flashinfer_sample(probs: Tensor) -> Tensor | None:
