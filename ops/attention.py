@@ -10,6 +10,7 @@ All functions are fixed-shape and graph-safe.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
@@ -53,9 +54,16 @@ def _masked_softmax_state(s: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
 
 def gather_slots(cache: Tensor, slots: Tensor) -> Tensor:
     """Rows of `cache [..., num_slots, D]` at `slots [bs, C]` -> `[..., bs, C, D]` (one
-    `index_select`: on a CPU several times cheaper than advanced indexing)."""
-    rows = cache.index_select(cache.dim() - 2, slots.reshape(-1))
-    return rows.view(*cache.shape[:-2], *slots.shape, cache.shape[-1])
+    `index_select` over the leading dimensions flattened: on a CPU several times cheaper than
+    advanced indexing, and than an `index_select` along an inner dimension)."""
+    *lead, n, d = cache.shape
+    idx = slots.reshape(-1)
+    if lead and cache.is_contiguous():
+        layers = torch.arange(math.prod(lead), device=idx.device, dtype=idx.dtype)
+        idx = (layers[:, None] * n + idx).reshape(-1)
+        cache = cache.view(-1, d)
+    rows = cache.index_select(cache.dim() - 2, idx)
+    return rows.view(*lead, *slots.shape, d)
 
 
 def prefix_attention(
