@@ -401,7 +401,9 @@ class StepGraphRunner:
             promise = row_promises(cuts, vocab)
             if self.compile:
                 promise = {k: size if v and k != "filtered" else v for k, v in promise.items()}
-            shape = replace(shape, **promise, host_reads=not self.compile)
+            shape = replace(shape, **promise)
+        if not fixed:
+            shape = replace(shape, host_reads=True)
         width = self.max_pages
         if not self.use_graphs:
             # Gather only as much context as this batch has (a captured graph needs the full

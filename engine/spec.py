@@ -25,9 +25,9 @@ from engine.models.dflash import DFlashDrafter, PagedContext
 from engine.models.kimi import KimiForCausalLM
 from ops.attention import PrefixKernel, gather_slots
 from ops.paged import table_slots
-from ops.sampling import race_logits, sample_from_probs, target_probs
-from ops.tree import DDTree, build_ddtree, chain_tree
-from ops.verify import Decision, tree_greedy
+from ops.sampling import argmax, race_logits, sample_from_probs, target_probs
+from ops.tree import DDTree, build_ddtree, build_ddtree_host, chain_tree
+from ops.verify import Decision, tree_greedy, tree_greedy_host
 
 
 @dataclass(frozen=True)
@@ -45,9 +45,10 @@ class StepShape:
     # `ops.sampling.row_path`, eager only); None: every row, which a captured graph needs.
     topk_rows: int | None = None
     sort_rows: int | None = None
-    # Eager only: the step may read the device on the host. It then sorts those rows only when
-    # the bounded cut is not exact, and picks out the rows that sample (greedy ones take the
-    # argmax and never pay for the race); a captured or compiled graph runs every row alike.
+    # Eager only: the step may read the device on the host. It then builds the tree there
+    # (`ops.tree.build_ddtree_host`), sorts the truncating rows only when the bounded cut is not
+    # exact, and picks out the rows that sample (greedy ones take the argmax and never pay for
+    # the race); a captured or compiled graph runs every row alike.
     host_reads: bool = False
 
     def __post_init__(self) -> None:
@@ -286,7 +287,8 @@ def build(draft_logits: Tensor | None, buf: StepBuffers, shape: StepShape) -> DD
         if shape.sample:
             draft_logits = couple(draft_logits[:, :shape.draft_depth], buf, shape)
         if shape.mode == "tree":
-            return build_ddtree(draft_logits, shape.budget, buf.anchor)
+            fn = build_ddtree_host if shape.host_reads else build_ddtree
+            return fn(draft_logits, shape.budget, buf.anchor)
         return chain_tree(draft_logits, buf.anchor)
     # ar or budget 0: the tree is the root alone; the decide then emits only the bonus token
     bs = buf.anchor.shape[0]
@@ -308,9 +310,9 @@ def broadcast_decision(tp: Group, dec: Decision) -> Decision:
 
 def decide(logits: Tensor, tree: DDTree, buf: StepBuffers, shape: StepShape) -> Decision:
     L = shape.depth
+    walk = tree_greedy_host if shape.host_reads else tree_greedy
     if not shape.sample:
-        return tree_greedy(tree.tokens, tree.next_token, tree.next_sibling, logits.argmax(-1),
-                           max_accept=L)
+        return walk(tree.tokens, tree.next_token, tree.next_sibling, argmax(logits), max_accept=L)
     # A node at depth d draws the token of the step's d-th position, with that position's coin
     # (depths run 0 .. S - 1: a tree of budget K reaches depth min(K, L), and S = min(K, L) + 1).
     # The walk is then the greedy one over the draws (`ops.verify.tree_sample`).
@@ -319,11 +321,11 @@ def decide(logits: Tensor, tree: DDTree, buf: StepBuffers, shape: StepShape) -> 
     if rows is None:
         drawn = sample_from_probs(_row_probs(logits, buf, shape), coins)
     else:  # greedy rows take the argmax, as in a greedy step; only the sampling rows race
-        drawn = logits.argmax(-1)
+        drawn = argmax(logits)
         if len(rows):
             drawn = drawn.index_copy(0, rows, sample_from_probs(
                 _row_probs(logits, buf, shape, rows), coins[rows]))
-    return tree_greedy(tree.tokens, tree.next_token, tree.next_sibling, drawn, max_accept=L)
+    return walk(tree.tokens, tree.next_token, tree.next_sibling, drawn, max_accept=L)
 
 
 def feed_drafter(drafter: DFlashDrafter, pool: KVPool, feats: Tensor, positions: Tensor,

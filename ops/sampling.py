@@ -36,6 +36,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -85,6 +86,24 @@ def row_promises(rows: Iterable[tuple[int, float]], vocab: int, bound: int = TOP
             "sort_rows": sum(x == "sort" for x in paths)}
 
 
+def on_host(x: Tensor) -> bool:
+    """Whether `x` is a real CPU tensor outside a compile, which numpy can read in place. An
+    eager CPU step then runs two ops through numpy that torch's CPU kernels run slowly at a
+    step's sizes: the last-dimension argmax (`[30, 3072]`: 8 against 87 us; torch's is not
+    vectorized across a row) and the race's integer hash (`race_noise`, `[4, 3072]`: 60 against
+    300 us: numpy's uint32 arithmetic wraps by definition, where torch needs int64 and masks).
+    Both give the same values, bit for bit."""
+    return (x.device.type == "cpu" and type(x) is Tensor and x.dtype == torch.float32
+            and not torch.compiler.is_compiling())
+
+
+def argmax(x: Tensor) -> Tensor:
+    """`x.argmax(-1)` (int64; the first index on ties), through numpy on the host (`on_host`)."""
+    if on_host(x):
+        return torch.from_numpy(x.detach().numpy().argmax(-1).astype(np.int64, copy=False))
+    return x.argmax(-1)
+
+
 def _take(x: Tensor, rows: Tensor | None) -> Tensor:
     return x if rows is None else x.index_select(0, rows)
 
@@ -93,7 +112,7 @@ def _argmax_rows(probs: Tensor, greedy: Tensor) -> Tensor:
     """`probs` `[bs, ..., V]` with the `greedy` `[bs]` rows one-hot at the argmax (lowest id on
     ties, as the stable sort puts it first); a new tensor."""
     greedy = _per_row(greedy, probs)
-    top1 = probs.argmax(-1, keepdim=True)
+    top1 = argmax(probs)[..., None]
     out = torch.where(greedy, 0.0, probs)
     return out.scatter_(-1, top1, torch.where(greedy, 1.0, probs.gather(-1, top1)))
 
@@ -260,14 +279,29 @@ def _mix32(x: Tensor) -> Tensor:
     return x ^ (x >> 15)
 
 
+def _mix32_np(x: np.ndarray) -> np.ndarray:
+    """`_mix32` in numpy's uint32, whose products wrap modulo 2**32 as the masks do there."""
+    x = x ^ (x >> 16)
+    x = x * np.uint32(0x21F0AAAD)
+    x = x ^ (x >> 15)
+    x = x * np.uint32(0x735A2D97)
+    return x ^ (x >> 15)
+
+
 def race_noise(coins: Tensor, vocab: int) -> Tensor:
     """Exponential variates `[..., V]` (fp32, rate 1), one per token id for each coin `[...]` in
-    [0, 1): the same coin gives the same noise to a token on every device and in every batch."""
-    key = _mix32(coins.to(torch.float32).contiguous().view(torch.int32).to(torch.int64) & _M32)
-    ids = torch.arange(vocab, device=coins.device, dtype=torch.int64)
-    h = _mix32((key.unsqueeze(-1) + ids * 0x9E3779B9) & _M32)
-    u = ((h >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))  # 24 bits, in (0, 1)
-    return -torch.log(u)
+    [0, 1): the same coin gives the same noise to a token on every device and in every batch.
+    The integer hash runs in numpy on the host (`on_host`), bit for bit the same."""
+    coins = coins.to(torch.float32).contiguous()
+    if on_host(coins):
+        key = _mix32_np(coins.numpy().view(np.uint32).reshape(-1, 1))
+        h = _mix32_np(key + np.arange(vocab, dtype=np.uint32) * np.uint32(0x9E3779B9))
+        u = torch.from_numpy((h >> 8).astype(np.float32)).view(*coins.shape, vocab)
+    else:
+        key = _mix32(coins.view(torch.int32).to(torch.int64) & _M32)
+        ids = torch.arange(vocab, device=coins.device, dtype=torch.int64)
+        u = (_mix32((key.unsqueeze(-1) + ids * 0x9E3779B9) & _M32) >> 8).to(torch.float32)
+    return -torch.log((u + 0.5) * (1.0 / (1 << 24)))  # 24 bits, in (0, 1)
 
 
 def sample_from_probs(probs: Tensor, coins: Tensor, *, use_flashinfer: bool = False) -> Tensor:
@@ -294,7 +328,7 @@ def sample_from_probs(probs: Tensor, coins: Tensor, *, use_flashinfer: bool = Fa
             return drawn
     if probs.is_cuda and (kernels := _race_kernels()) is not None:
         return kernels.race_sample_triton(probs, coins)
-    return (probs.float() / race_noise(coins, probs.shape[-1])).argmax(-1)
+    return argmax(probs.float() / race_noise(coins, probs.shape[-1]))
 
 
 def race_logits(logits: Tensor, coins: Tensor) -> Tensor:

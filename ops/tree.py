@@ -1,11 +1,11 @@
-"""DDTree construction on the device, retrieval arrays, tree attention mask, and a heap reference.
+"""DDTree construction on the device and on the host, retrieval arrays and tree attention mask.
 
 Shapes: `bs` requests, `L` drafted depths, `V` vocabulary, `K` budget (non-root nodes),
-`N = K + 1`. Every function except `build_ddtree_reference` is a fixed-shape tensor program: no host
+`N = K + 1`. Every function except `build_ddtree_host` is a fixed-shape tensor program: no host
 sync, no data-dependent shapes, loops only over depth, so it runs unchanged on the CPU and inside a
 CUDA graph.
 
-Canonical layout (shared by the device builder, the reference and `chain_tree`): column 0 is the
+Canonical layout (shared by both builders and `chain_tree`): column 0 is the
 root; valid nodes follow in depth-major order, children of one parent contiguous and ordered by
 descending `logw` (equivalently by ascending draft rank), so `parent < child`; padding nodes fill
 the tail. Padding nodes hold token 0, parent 0 (the root, so their attention row is never empty),
@@ -44,7 +44,7 @@ class DDTree:
 def draft_topk(draft_logits: Tensor, r: int) -> tuple[Tensor, Tensor]:
     """The `r` best draft log-probs per depth and their tokens, both `[bs, L, r]`, descending.
 
-    Shared by the device builder and the reference so both see the same ranks, ties included.
+    Shared by both builders so they see the same ranks, ties included.
     """
     lp = torch.log_softmax(draft_logits.float(), dim=-1)
     vals, toks = torch.topk(lp, r, dim=-1)
@@ -195,82 +195,76 @@ def chain_tree(draft_logits: Tensor, anchor_tokens: Tensor) -> DDTree:
     return _finish(tokens, parent, depth, logw, valid, n_depth)
 
 
-def build_ddtree_reference(draft_logits: Tensor, budget: int, anchor_tokens: Tensor) -> DDTree:
-    """Best-first heap over rank tuples, one request at a time on the host (tests and benchmarks).
+def build_ddtree_host(draft_logits: Tensor, budget: int, anchor_tokens: Tensor) -> DDTree:
+    """`build_ddtree`'s tree by a best-first heap over rank tuples on the host: the eager CPU
+    step's builder (a few hundred Python operations on `bs x D x R` numbers cost a third of the
+    device builder's hundred-odd tiny tensor ops there) and the tests' reference for the device
+    one. Host reads: never inside a graph.
 
-    Same output as `build_ddtree` (layout included) whenever the weights are distinct; exact ties
-    break on the lexicographically smallest rank tuple. Weights are accumulated in fp32 in the same
-    order as the device builder, so they agree bit for bit.
+    Pops by (weight, depth, rank tuple), so exact ties prefer the shallower, then the
+    lexicographically smaller tuple, as the device builder's stable selections do; weights
+    accumulate in fp32 in the same order, so the two agree bit for bit, layout included.
     """
-    bs, n_depth, vocab = draft_logits.shape
     k = budget
-    r = min(k, vocab)
-    n = k + 1
+    draft_logits = draft_logits[:, :k]
+    bs, n_depth, vocab = draft_logits.shape
+    r, n = min(k, vocab), k + 1
     lp_t, tok_t = draft_topk(draft_logits, r)
-    lp = lp_t.cpu().numpy().astype(np.float32)
-    tok = tok_t.cpu().tolist()
-    anchors = anchor_tokens.cpu().tolist()
-    neg_inf = float("-inf")
-
-    tokens = [[0] * n for _ in range(bs)]
-    parent = [[0] * n for _ in range(bs)]
-    depth = [[0] * n for _ in range(bs)]
-    logw = [[neg_inf] * n for _ in range(bs)]
-    valid = [[False] * n for _ in range(bs)]
-    next_token = [[-1] * n for _ in range(bs)]
-    next_sibling = [[-1] * n for _ in range(bs)]
-    visible = [[[False] * n for _ in range(n)] for _ in range(bs)]
+    lp = lp_t.cpu().tolist()  # fp32 values, exact as Python floats
+    tok = tok_t.cpu().numpy()
+    f32 = np.float32
+    tokens = np.zeros((bs, n), np.int64)
+    parent = np.zeros((bs, n), np.int64)
+    depth = np.zeros((bs, n), np.int64)
+    logw = np.full((bs, n), -np.inf, np.float32)
+    valid = np.zeros((bs, n), bool)
+    tokens[:, 0] = anchor_tokens.cpu().numpy()
+    parent[:, 0], logw[:, 0], valid[:, 0] = -1, 0.0, True
+    inf = float("inf")
     for b in range(bs):
-        weight: dict[tuple[int, ...], np.float32] = {(): np.float32(0.0)}
-        heap = [(-float(lp[b, 0, 0]), (0,))]
+        w = lp[b]
+        weight = {(): 0.0}
+        heap = [(-w[0][0], 1, (0,))]
         kept: list[tuple[int, ...]] = []
         while heap and len(kept) < k:
-            neg, tup = heapq.heappop(heap)
-            if -neg == neg_inf:
+            neg, d, tup = heapq.heappop(heap)
+            if neg == inf:
                 break  # everything left is -inf: those slots are padding
             kept.append(tup)
-            d, last = len(tup), tup[-1]
-            base = weight[tup[:-1]]
-            weight[tup] = np.float32(base + lp[b, d - 1, last]) if d > 1 else lp[b, 0, last]
+            weight[tup] = -neg
+            last, base = tup[-1], weight[tup[:-1]]
             if last + 1 < r:
-                sib = np.float32(base + lp[b, d - 1, last + 1]) if d > 1 else lp[b, 0, last + 1]
-                heapq.heappush(heap, (-float(sib), tup[:-1] + (last + 1,)))
+                sib = w[0][last + 1] if d == 1 else float(f32(base + w[d - 1][last + 1]))
+                heapq.heappush(heap, (-sib, d, tup[:-1] + (last + 1,)))
             if d < n_depth:
-                child = np.float32(weight[tup] + lp[b, d, 0])
-                heapq.heappush(heap, (-float(child), tup + (0,)))
-        order = sorted(kept, key=lambda t: (len(t), t))
+                heapq.heappush(heap, (-float(f32(-neg + w[d][0])), d + 1, tup + (0,)))
+        kept.sort(key=lambda t: (len(t), t))  # canonical: depth-major, lexicographic
         ids = {(): 0}
-        for i, tup in enumerate(order, start=1):
+        for i, tup in enumerate(kept, start=1):
             ids[tup] = i
-        tokens[b][0], parent[b][0], logw[b][0], valid[b][0] = anchors[b], -1, 0.0, True
-        children: dict[int, list[int]] = {}
-        for tup in order:
-            i, p = ids[tup], ids[tup[:-1]]
-            tokens[b][i] = tok[b][len(tup) - 1][tup[-1]]
-            parent[b][i], depth[b][i] = p, len(tup)
-            logw[b][i], valid[b][i] = float(weight[tup]), True
-            children.setdefault(p, []).append(i)
-        for p, kids in children.items():
-            next_token[b][p] = kids[0]
-            for a, c in zip(kids, kids[1:]):
-                next_sibling[b][a] = c
-        for i in range(n):
-            visible[b][i][i] = visible[b][i][0] = True
-            j = parent[b][i] if valid[b][i] else -1
-            while j >= 0:
-                visible[b][i][j] = True
-                j = parent[b][j]
+            d = len(tup)
+            tokens[b, i] = tok[b, d - 1, tup[-1]]
+            parent[b, i], depth[b, i] = ids[tup[:-1]], d
+            logw[b, i], valid[b, i] = weight[tup], True
+    # Retrieval arrays: siblings are contiguous, so the next sibling is the next column and a
+    # first child is where a run of equal parents starts.
+    cols = np.arange(n)
+    same = valid[:, 1:] & (parent[:, 1:] == parent[:, :-1])
+    next_sibling = np.full((bs, n), -1, np.int64)
+    next_sibling[:, :-1] = np.where(same, cols[1:], -1)
+    next_token = np.full((bs, n), -1, np.int64)
+    rb, ri = np.nonzero(valid[:, 1:] & ~same)
+    next_token[rb, parent[rb, ri + 1]] = ri + 1
+    # Ancestors precede their descendants: each row is its parent's plus itself (padding: the
+    # root's, which is the root alone).
+    visible = np.zeros((bs, n, n), bool)
+    visible[:, cols, cols] = True
+    rows = np.arange(bs)
+    for i in range(1, n):
+        visible[:, i] |= visible[rows, parent[:, i]]
 
-    def t(x: list, dtype: torch.dtype) -> Tensor:
-        return torch.tensor(x, dtype=dtype, device=draft_logits.device)
+    def t(x: np.ndarray) -> Tensor:
+        return torch.from_numpy(x).to(draft_logits.device)
 
-    return DDTree(
-        tokens=t(tokens, torch.int64),
-        parent=t(parent, torch.int64),
-        depth=t(depth, torch.int64),
-        logw=t(logw, torch.float32),
-        valid=t(valid, torch.bool),
-        next_token=t(next_token, torch.int64),
-        next_sibling=t(next_sibling, torch.int64),
-        visible=t(visible, torch.bool),
-    )
+    return DDTree(t(tokens), t(parent), t(depth), t(logw), t(valid), t(next_token),
+                  t(next_sibling), t(visible))

@@ -108,6 +108,41 @@ def tree_greedy(
     return _decision(candidates, nodes, argmax.gather(1, cur[:, None]).squeeze(1))
 
 
+def tree_greedy_host(
+    candidates: Tensor,
+    next_token: Tensor,
+    next_sibling: Tensor,
+    target_argmax: Tensor,
+    max_accept: int | None = None,
+) -> Decision:
+    """`tree_greedy` on the host, one request and one child at a time, as the walk is stated:
+    the eager CPU step's walk (a few dozen Python steps against `tree_greedy`'s fifty-odd tiny
+    tensor ops: 0.05 against 0.45 ms at six requests of five nodes) and the tests' emulation of
+    the device one. Host reads: never inside a graph."""
+    bs, n = candidates.shape
+    width = _width(n, max_accept)
+    nodes = [[-1] * width for _ in range(bs)]
+    emit = [[-1] * width for _ in range(bs)]
+    accept = [0] * bs
+    rows = zip(*(x.tolist() for x in (candidates, next_token, next_sibling, target_argmax)))
+    for b, (cand, first, sibling, best) in enumerate(rows):
+        cur, k = 0, 0
+        nodes[b][0] = 0
+        while k + 1 < width:
+            child = first[cur]
+            while child != -1 and cand[child] != best[cur]:
+                child = sibling[child]
+            if child == -1:
+                break
+            k += 1
+            nodes[b][k], emit[b][k - 1], cur = child, cand[child], child
+        emit[b][k], accept[b] = best[cur], k
+    dev = candidates.device
+    return Decision(accept_nodes=torch.tensor(nodes, device=dev),
+                    accept_len=torch.tensor(accept, device=dev),
+                    emit=torch.tensor(emit, device=dev))
+
+
 def tree_sample(
     candidates: Tensor,
     next_token: Tensor,

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import Tensor
 
-from ops.tree import DDTree, build_ddtree, build_ddtree_reference, chain_tree, draft_topk
+from ops.tree import DDTree, build_ddtree, build_ddtree_host, chain_tree, draft_topk
 from tests.fakeguard import run_on_fake
 
 FIELDS = ("tokens", "parent", "depth", "logw", "valid", "next_token", "next_sibling", "visible")
@@ -112,7 +112,7 @@ def test_device_matches_heap_reference_on_random_inputs() -> None:
         logits = random_logits(g, bs, depth, vocab, neg_inf=call % 3 == 0)
         anchor = torch.randint(0, vocab, (bs,), generator=g)
         got = build_ddtree(logits, budget, anchor)
-        assert_same_tree(got, build_ddtree_reference(logits, budget, anchor))
+        assert_same_tree(got, build_ddtree_host(logits, budget, anchor))
         assert bool((~got.valid | torch.isfinite(got.logw)).all())
         if call % 8 == 0:
             check_structure(got)
@@ -130,7 +130,7 @@ def test_exact_ties_keep_weights_and_closure() -> None:
         logits = torch.round(torch.randn(bs, depth, vocab, generator=g) * 2) / 2
         anchor = torch.zeros(bs, dtype=torch.int64)
         got = build_ddtree(logits, budget, anchor)
-        ref = build_ddtree_reference(logits, budget, anchor)
+        ref = build_ddtree_host(logits, budget, anchor)
         check_structure(got)
         _, toks = draft_topk(logits, min(budget, vocab))
         for b in range(bs):
@@ -162,7 +162,7 @@ def test_edge_shapes(bs: int, depth: int, vocab: int, budget: int) -> None:
     got = build_ddtree(logits, budget, anchor)
     assert got.tokens.shape == (bs, budget + 1)
     check_structure(got)
-    assert_same_tree(got, build_ddtree_reference(logits, budget, anchor))
+    assert_same_tree(got, build_ddtree_host(logits, budget, anchor))
     assert torch.equal(got.tokens[:, 0], anchor)
     n_possible = sum(vocab**d for d in range(1, depth + 1))
     assert torch.equal(got.valid.sum(1), torch.full((bs,), 1 + min(budget, n_possible)))
@@ -177,7 +177,7 @@ def test_all_neg_inf_rows_become_padding() -> None:
     assert int(got.depth[0].max()) == 1 and int(got.valid[0].sum()) == 7
     # only the two candidates can sit at depth 1 (the second one only if it is among the best)
     assert set(got.tokens[1, got.depth[1] == 1].tolist()) <= {0, 1}
-    assert_same_tree(got, build_ddtree_reference(logits, 12, torch.tensor([1, 2])))
+    assert_same_tree(got, build_ddtree_host(logits, 12, torch.tensor([1, 2])))
 
 
 def test_chain_tree_is_the_argmax_path() -> None:

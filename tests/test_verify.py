@@ -13,7 +13,7 @@ from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicO
 
 from ops.sampling import row_promises, sample_from_probs, target_probs
 from ops.tree import DDTree, build_ddtree
-from ops.verify import Decision, tree_greedy, tree_sample
+from ops.verify import Decision, tree_greedy, tree_greedy_host, tree_sample
 from tests.fakeguard import run_on_fake
 from tests.test_sampling import race_reference
 
@@ -69,14 +69,15 @@ def test_known_answer_sampling(max_accept: int | None) -> None:
         assert torch.equal(out.emit, padded([[3, 4, 5, 18], [11, 12, 18]], width))
 
 
-def test_known_answer_greedy_and_depth_limit() -> None:
+@pytest.mark.parametrize("walk", [tree_greedy, tree_greedy_host])
+def test_known_answer_greedy_and_depth_limit(walk) -> None:
     argmax = known_answer_logits().argmax(-1)
-    out = tree_greedy(KA_CAND, KA_NEXT, KA_SIB, argmax)
+    out = walk(KA_CAND, KA_NEXT, KA_SIB, argmax)
     assert torch.equal(out.accept_nodes, padded([[0, 3, 4, 5], [0, 4, 5]], 6))
     assert torch.equal(out.accept_len, torch.tensor([3, 2]))
     assert torch.equal(out.emit, padded([[3, 4, 5, 18], [11, 12, 18]], 6))
     # Two drafts at most: the bonus comes from the second accepted node's own row.
-    out = tree_greedy(KA_CAND, KA_NEXT, KA_SIB, argmax, max_accept=2)
+    out = walk(KA_CAND, KA_NEXT, KA_SIB, argmax, max_accept=2)
     assert torch.equal(out.accept_nodes, torch.tensor([[0, 3, 4], [0, 4, 5]]))
     assert torch.equal(out.emit, torch.tensor([[3, 4, 5], [11, 12, 18]]))
     q = torch.softmax(known_answer_logits() / 0.01, -1)
@@ -87,27 +88,13 @@ def test_known_answer_greedy_and_depth_limit() -> None:
     assert torch.equal(out.accept_nodes, torch.tensor([[0], [0]]))
 
 
-# --- host emulation of the kernel, one request and one child at a time -----------------------
+# --- the host walk (`tree_greedy_host`, the walk as stated) against the device one ----------
 
 
-def naive_sample(cand, nt, ns, probs, coins, width) -> tuple[list[int], list[int]]:
-    """The sampled walk as stated: every node draws with its coin, the walk follows the draws."""
-    draws = [race_reference(list(probs[i]), float(coins[i])) for i in range(len(cand))]
-    return naive_greedy(cand, nt, ns, draws, width)
-
-
-def naive_greedy(cand, nt, ns, argmax, width) -> tuple[list[int], list[int]]:
-    cur, nodes, emit = 0, [0], []
-    while len(nodes) < width:
-        child = nt[cur]
-        while child != -1 and cand[child] != argmax[cur]:
-            child = ns[child]
-        if child == -1:
-            break
-        nodes.append(child)
-        emit.append(cand[child])
-        cur = child
-    return nodes, emit + [argmax[cur]]
+def naive_draws(probs, coins) -> Tensor:
+    """Every node's draw with its coin, by the race's statement (`race_reference`)."""
+    return torch.tensor([[race_reference(list(p), float(c)) for p, c in zip(pr, cr)]
+                         for pr, cr in zip(probs.numpy(), coins.numpy())])
 
 
 def shuffle_layout(tree: DDTree, g: torch.Generator) -> tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -132,11 +119,9 @@ def shuffle_layout(tree: DDTree, g: torch.Generator) -> tuple[Tensor, Tensor, Te
     return cand, relink(tree.next_token), relink(tree.next_sibling), old_of_new
 
 
-def check_against_naive(out: Decision, expect: list[tuple[list[int], list[int]]], width: int):
-    assert out.accept_nodes.shape == (len(expect), width) and out.emit.shape == (len(expect), width)
-    assert torch.equal(out.accept_nodes, padded([e[0] for e in expect], width))
-    assert torch.equal(out.emit, padded([e[1] for e in expect], width))
-    assert torch.equal(out.accept_len, torch.tensor([len(e[0]) - 1 for e in expect]))
+def assert_same_decision(out: Decision, expect: Decision) -> None:
+    for name in ("accept_nodes", "accept_len", "emit"):
+        assert torch.equal(getattr(out, name), getattr(expect, name)), name
 
 
 def test_sample_and_greedy_match_host_emulation() -> None:
@@ -169,16 +154,12 @@ def test_sample_and_greedy_match_host_emulation() -> None:
         max_accept = None if trial % 3 == 0 else int(torch.randint(0, depth + 1, (1,), generator=g))
         width = n if max_accept is None else min(n, max_accept + 1)
 
-        lists = [x.tolist() for x in (cand, nt, ns, argmax)]
-        p_np, c_np = probs.numpy(), coins.numpy()
-        expect = [
-            naive_sample(lists[0][b], lists[1][b], lists[2][b], p_np[b], c_np[b], width)
-            for b in range(bs)
-        ]
-        got = tree_sample(cand, nt, ns, probs, coins, max_accept=max_accept)
-        check_against_naive(got, expect, width)
-        expect = [naive_greedy(*(x[b] for x in lists), width) for b in range(bs)]
-        check_against_naive(tree_greedy(cand, nt, ns, argmax, max_accept=max_accept), expect, width)
+        expect = tree_greedy_host(cand, nt, ns, naive_draws(probs, coins), max_accept)
+        assert expect.emit.shape == (bs, width)
+        assert_same_decision(tree_sample(cand, nt, ns, probs, coins, max_accept=max_accept),
+                             expect)
+        expect = tree_greedy_host(cand, nt, ns, argmax, max_accept)
+        assert_same_decision(tree_greedy(cand, nt, ns, argmax, max_accept=max_accept), expect)
 
 
 def test_strict_rule_and_empty_rows() -> None:
@@ -219,6 +200,8 @@ def test_long_sibling_chains() -> None:
     argmax[:, 0] = torch.tensor([39, 7])
     out = tree_greedy(tree.tokens, tree.next_token, tree.next_sibling, argmax)
     assert out.accept_nodes[:, :2].tolist() == [[0, 40], [0, 8]]
+    assert_same_decision(out, tree_greedy_host(tree.tokens, tree.next_token, tree.next_sibling,
+                                               argmax))
     probs = torch.zeros(2, 41, 40)
     probs[:, 0, 39] = 1.0
     probs[:, 1:, 0] = 1.0
