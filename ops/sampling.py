@@ -294,8 +294,9 @@ def race_noise(coins: Tensor, vocab: int) -> Tensor:
     The integer hash runs in numpy on the host (`on_host`), bit for bit the same."""
     coins = coins.to(torch.float32).contiguous()
     if on_host(coins):
-        key = _mix32_np(coins.numpy().view(np.uint32).reshape(-1, 1))
-        h = _mix32_np(key + np.arange(vocab, dtype=np.uint32) * np.uint32(0x9E3779B9))
+        with np.errstate(over="ignore"):
+            key = _mix32_np(coins.numpy().view(np.uint32).reshape(-1, 1))
+            h = _mix32_np(key + np.arange(vocab, dtype=np.uint32) * np.uint32(0x9E3779B9))
         u = torch.from_numpy((h >> 8).astype(np.float32)).view(*coins.shape, vocab)
     else:
         key = _mix32(coins.view(torch.int32).to(torch.int64) & _M32)

@@ -10,7 +10,9 @@ import torch
 from scipy import stats
 from torch import Tensor
 
+import ops.sampling
 from ops.sampling import (
+    argmax,
     race_logits,
     race_noise,
     row_path,
@@ -153,6 +155,20 @@ def test_race_noise_is_unit_exponential_and_independent() -> None:
         assert abs(r.statistic) < 0.02
     assert torch.equal(race_noise(torch.tensor([0.25, 0.25]), 50)[0],
                        race_noise(torch.tensor([0.25]), 50)[0])
+
+
+def test_host_paths_are_the_torch_paths(monkeypatch: pytest.MonkeyPatch) -> None:
+    g = torch.Generator().manual_seed(8)
+    coins = [torch.rand((), generator=g), torch.rand(3, generator=g),
+             torch.rand(4, 6, generator=g)[:, ::2], torch.tensor([0.0, 1 - 2**-24])]
+    x = torch.randint(0, 4, (5, 3, 40), generator=g).float()  # many ties
+    x[0, 0] = float("nan")
+    host = [race_noise(c, 3072) for c in coins], argmax(x), argmax(x[:, 1])
+    monkeypatch.setattr(ops.sampling, "on_host", lambda t: False)
+    dev = [race_noise(c, 3072) for c in coins], argmax(x), argmax(x[:, 1])
+    assert all(torch.equal(a, b) for a, b in zip(host[0], dev[0]))
+    assert torch.equal(host[1], dev[1]) and torch.equal(host[2], dev[2])
+    assert host[1].dtype == torch.int64 and host[0][0].shape == (3072,)
 
 
 def test_race_logits_rank_the_race() -> None:
