@@ -197,9 +197,9 @@ def chain_tree(draft_logits: Tensor, anchor_tokens: Tensor) -> DDTree:
 
 def build_ddtree_host(draft_logits: Tensor, budget: int, anchor_tokens: Tensor) -> DDTree:
     """`build_ddtree`'s tree by a best-first heap over rank tuples on the host: the eager CPU
-    step's builder (a few hundred Python operations on `bs x D x R` numbers cost a third of the
-    device builder's hundred-odd tiny tensor ops there) and the tests' reference for the device
-    one. Host reads: never inside a graph.
+    step's builder (a few hundred Python operations on `bs x D x R` numbers cost 0.2-0.9x the
+    device builder's hundred-odd tiny tensor ops there, `bench.tree`) and the tests' reference for
+    the device one. Host reads: never inside a graph.
 
     Pops by (weight, depth, rank tuple), so exact ties prefer the shallower, then the
     lexicographically smaller tuple, as the device builder's stable selections do; weights
