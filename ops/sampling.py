@@ -270,21 +270,13 @@ def target_probs(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tens
 _M32 = 0xFFFFFFFF
 
 
-def _mix32(x: Tensor) -> Tensor:
-    """A 32-bit hash finalizer over int64 tensors holding values in [0, 2**32)."""
+def _mix32(x: Any) -> Any:
+    """A 32-bit hash finalizer over values in [0, 2**32): int64 tensors, or numpy uint32 arrays
+    (whose products wrap modulo 2**32, so there the masks change nothing)."""
     x = x ^ (x >> 16)
     x = (x * 0x21F0AAAD) & _M32
     x = x ^ (x >> 15)
     x = (x * 0x735A2D97) & _M32
-    return x ^ (x >> 15)
-
-
-def _mix32_np(x: np.ndarray) -> np.ndarray:
-    """`_mix32` in numpy's uint32, whose products wrap modulo 2**32 as the masks do there."""
-    x = x ^ (x >> 16)
-    x = x * np.uint32(0x21F0AAAD)
-    x = x ^ (x >> 15)
-    x = x * np.uint32(0x735A2D97)
     return x ^ (x >> 15)
 
 
@@ -295,8 +287,8 @@ def race_noise(coins: Tensor, vocab: int) -> Tensor:
     coins = coins.to(torch.float32).contiguous()
     if on_host(coins):
         with np.errstate(over="ignore"):
-            key = _mix32_np(coins.numpy().view(np.uint32).reshape(-1, 1))
-            h = _mix32_np(key + np.arange(vocab, dtype=np.uint32) * np.uint32(0x9E3779B9))
+            key = _mix32(coins.numpy().view(np.uint32).reshape(-1, 1))
+            h = _mix32(key + np.arange(vocab, dtype=np.uint32) * np.uint32(0x9E3779B9))
         u = torch.from_numpy((h >> 8).astype(np.float32)).view(*coins.shape, vocab)
     else:
         key = _mix32(coins.view(torch.int32).to(torch.int64) & _M32)
