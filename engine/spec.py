@@ -243,7 +243,7 @@ def draft(models: Models, pool: KVPool, buf: StepBuffers, shape: StepShape,
     return target.lm_head(h).float()
 
 
-def couple(draft_logits: Tensor, buf: StepBuffers, shape: StepShape) -> Tensor:
+def couple(draft_logits: Tensor, buf: StepBuffers, rows: Tensor | None) -> Tensor:
     """Sampled rows' draft logits as the target's draws would rank them: the drafter's logits
     at depth `d + 1` over the row's temperature, raced with the coin of the position that depth
     fills (`race_logits`). The tree's spine is then what the drafter itself would draw with the
@@ -252,9 +252,9 @@ def couple(draft_logits: Tensor, buf: StepBuffers, shape: StepShape) -> Tensor:
     cut it accepted less (bundled pair, T = 0.7, budget 8: 1.77 against 1.87 tokens per step
     with top-p 0.9, 1.90 against 1.93 with top-k 20). Every token races: racing only the
     drafter's 64 most likely cost 1-5% of the tokens a step accepts (T = 0.7, budgets 2-16; a
-    tail token wins the target's race often enough). Greedy rows keep their logits."""
+    tail token wins the target's race often enough). Greedy rows keep their logits; `rows`: the
+    sampling rows (`sampled_rows`), or None to race every row alike (a graph)."""
     coins = buf.coins[:, :draft_logits.shape[1]]
-    rows = _sampled_rows(buf, shape)
     if rows is None:
         raced = race_logits(draft_logits / buf.temperature[:, None, None], coins)
         return torch.where((buf.top_k != 1)[:, None, None], raced, draft_logits)
@@ -264,10 +264,11 @@ def couple(draft_logits: Tensor, buf: StepBuffers, shape: StepShape) -> Tensor:
     return draft_logits.index_copy(0, rows, raced)
 
 
-def _sampled_rows(buf: StepBuffers, shape: StepShape) -> Tensor | None:
+def sampled_rows(buf: StepBuffers, shape: StepShape) -> Tensor | None:
     """The ids of the rows that sample (greedy rows are top-k 1), read on the host when the
-    step may (`shape.host_reads`); None for every row."""
-    return (buf.top_k != 1).nonzero()[:, 0] if shape.host_reads else None
+    step samples and may read (`shape.host_reads`); None otherwise (a graph: every row alike).
+    A step finds them once, for both `build` and `decide`."""
+    return (buf.top_k != 1).nonzero()[:, 0] if shape.sample and shape.host_reads else None
 
 
 def _row_probs(logits: Tensor, buf: StepBuffers, shape: StepShape, rows: Tensor | None = None
@@ -281,11 +282,13 @@ def _row_probs(logits: Tensor, buf: StepBuffers, shape: StepShape, rows: Tensor 
                         sort_rows=shape.sort_rows, sort_if_needed=shape.host_reads)
 
 
-def build(draft_logits: Tensor | None, buf: StepBuffers, shape: StepShape) -> DDTree:
+def build(draft_logits: Tensor | None, buf: StepBuffers, shape: StepShape,
+          rows: Tensor | None = None) -> DDTree:
+    """The step's tree; `rows`: as in `couple`."""
     if shape.drafts:
         assert draft_logits is not None
         if shape.sample:
-            draft_logits = couple(draft_logits[:, :shape.draft_depth], buf, shape)
+            draft_logits = couple(draft_logits[:, :shape.draft_depth], buf, rows)
         if shape.mode == "tree":
             fn = build_ddtree_host if shape.host_reads else build_ddtree
             return fn(draft_logits, shape.budget, buf.anchor)
@@ -308,7 +311,9 @@ def broadcast_decision(tp: Group, dec: Decision) -> Decision:
                     emit=packed[:, 1 + S:])
 
 
-def decide(logits: Tensor, tree: DDTree, buf: StepBuffers, shape: StepShape) -> Decision:
+def decide(logits: Tensor, tree: DDTree, buf: StepBuffers, shape: StepShape,
+           rows: Tensor | None = None) -> Decision:
+    """The accepted nodes and emitted tokens; `rows`: as in `couple`."""
     L = shape.depth
     walk = tree_greedy_host if shape.host_reads else tree_greedy
     if not shape.sample:
@@ -317,7 +322,6 @@ def decide(logits: Tensor, tree: DDTree, buf: StepBuffers, shape: StepShape) -> 
     # (depths run 0 .. S - 1: a tree of budget K reaches depth min(K, L), and S = min(K, L) + 1).
     # The walk is then the greedy one over the draws (`ops.verify.tree_sample`).
     coins = buf.coins.gather(1, tree.depth)
-    rows = _sampled_rows(buf, shape)
     if rows is None:
         drawn = sample_from_probs(_row_probs(logits, buf, shape), coins)
     else:  # greedy rows take the argmax, as in a greedy step; only the sampling rows race
@@ -433,11 +437,12 @@ def spec_step(models: Models, pool: KVPool, buf: StepBuffers, shape: StepShape,
     ctx_slots = None if models.attention == "paged" else table_slots(buf.page_table,
                                                                       pool.page_size)
     draft_logits = None
+    rows = sampled_rows(buf, shape)
     if shape.drafts:
         with timer("draft"):
             draft_logits = draft(models, pool, buf, shape, ctx_slots)
     with timer("build"):
-        tree = build(draft_logits, buf, shape)
+        tree = build(draft_logits, buf, shape, rows)
     with timer("verify"):
         aux_layers = models.aux_layers if shape.drafts else ()
         logits, aux = models.target.verify(
@@ -445,7 +450,7 @@ def spec_step(models: Models, pool: KVPool, buf: StepBuffers, shape: StepShape,
             buf.cache_len, tree.visible, buf.tree_kv, aux_layers, models.sparse_moe,
             models.prefix_for(buf, pool.page_size))
     with timer("decide"):
-        dec = decide(logits, tree, buf, shape)
+        dec = decide(logits, tree, buf, shape, rows)
         if models.tp is not None:
             # NOTE: every rank decides from the same gathered logits and coins, but only rank
             # 0's decision is committed anywhere, so rounding can never split the ranks' caches.

@@ -64,12 +64,12 @@ def test_whole_step_runs_on_fake_tensors(models, mode, budget, sample):
 def test_fake_run_catches_a_host_sync_in_the_step(models, monkeypatch, bad):
     decide = spec.decide
 
-    def syncing_decide(logits, tree, buf, shape):
+    def syncing_decide(logits, tree, buf, shape, rows=None):
         if bad == "item":
             _ = logits[0, 0, 0].item()  # a host sync: would break capture
         else:
             _ = logits[tree.valid]  # boolean-mask indexing: a data-dependent shape
-        return decide(logits, tree, buf, shape)
+        return decide(logits, tree, buf, shape, rows)
 
     monkeypatch.setattr(spec, "decide", syncing_decide)
     shape = StepShape("tree", 6, BLOCK, False)

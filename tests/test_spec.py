@@ -297,7 +297,7 @@ def test_sampled_rows_draft_what_the_target_will_draw(pair, mode, budget, monkey
     steps = sum(len(o.accept_lengths) for o in outs)
     if mode == "chain":  # 25 tokens: the prefill's, then three steps of 7 drafts and the bonus
         assert [o.accept_lengths for o in outs[:2]] == [[8, 8, 8]] * 2
-    monkeypatch.setattr(spec, "couple", lambda logits, buf, shape: logits)
+    monkeypatch.setattr(spec, "couple", lambda logits, buf, rows: logits)
     uncoupled = llm.generate(ps, params)
     assert _tokens(uncoupled) == _tokens(ar)
     assert sum(len(o.accept_lengths) for o in uncoupled) > 1.5 * steps
