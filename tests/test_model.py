@@ -178,3 +178,42 @@ def test_dense_expert_pass_equals_sparse_dispatch_and_is_taken_only_when_small()
     assert not dense_is_cheaper(48, 8, 128, 64, "sparse")
     for instead_of in ("sparse", "aligned"):  # Kimi K2's experts, one token
         assert not dense_is_cheaper(1, 384, 7168, 2048, instead_of)
+
+
+def test_gemm_layout_keeps_the_values_and_every_forward(pair):
+    """The eager CPU step's weight layout (`gemm_layout`): float linears and the expert bank
+    stored column-major, a tied embedding left as it is, every forward as before."""
+    from torch import nn
+
+    from engine.models.layers import ExpertBank, gemm_layout
+
+    _, model, d = pair
+    cm = KimiForCausalLM.from_dir(d, progress=False)
+    emb = cm.model.embed_tokens.weight
+    cm.lm_head.weight = emb  # tied, as with tie_word_embeddings: the lookup keeps its rows
+    gemm_layout(cm)
+    assert emb.stride() == (emb.shape[1], 1)
+    linears = [m for m in cm.modules() if isinstance(m, nn.Linear) and m is not cm.lm_head]
+    assert linears and all(m.weight.stride(0) == 1 for m in linears)
+    banks = [m for m in cm.modules() if isinstance(m, ExpertBank)]
+    for b in banks:
+        E, I2, H = b.w13.shape
+        assert b.w13.reshape(E * I2, H).stride() == (1, E * I2)  # still a view of one matrix
+        assert b.w2.stride()[1] == 1
+    cm.lm_head.weight = nn.Parameter(model.lm_head.weight.detach().clone())
+    gemm_layout(cm)
+    for (name, a), b in zip(model.state_dict().items(), cm.state_dict().values()):
+        assert torch.equal(a, b), name
+    ids = torch.randint(0, model.cfg.vocab_size, (2, 9), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        for sparse in (False, True):
+            torch.testing.assert_close(cm(ids, sparse_moe=sparse)[0],
+                                       model(ids, sparse_moe=sparse)[0], rtol=1e-5, atol=1e-5)
+
+
+def test_eager_engine_runs_the_gemm_layout():
+    from engine import LLM
+
+    llm = LLM("models/kimi-mini", "models/kimi-mini-dflash", progress=False)
+    assert llm.models.target.lm_head.weight.stride(0) == 1
+    assert llm.models.drafter.fc.weight.stride(0) == 1
