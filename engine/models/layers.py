@@ -142,9 +142,10 @@ def column_major(t: Tensor) -> Tensor:
 def gemm_layout(model: nn.Module) -> None:
     """Store `model`'s float linear weights column-major, in place (the same values): the
     eager CPU step's layout. The CPU's GEMM computes `x @ W.T` 1.2-2x faster from a weight
-    stored that way at a step's few rows (this repository's shapes, 1 to 54 rows); the default
-    job ran 22% (tree) and 27% (ar) more tokens per second, every output unchanged. Weights an
-    embedding shares keep their rows (a lookup reads them); quantized ones are not touched."""
+    stored that way for most of a step's products (this repository's shapes, 1 to 54 rows); the
+    default job ran 22% (tree) and 27% (ar) more tokens per second, every output unchanged.
+    Weights an embedding shares keep their rows (a lookup reads them); quantized ones are not
+    touched."""
     shared = {id(m.weight) for m in model.modules() if isinstance(m, VocabParallelEmbedding)}
     for m in model.modules():
         if isinstance(m, nn.Linear) and m.weight.is_floating_point() and id(m.weight) not in shared:
