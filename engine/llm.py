@@ -75,8 +75,9 @@ def compile_auto(cfg: EngineConfig, pays_back: bool) -> EngineConfig:
 
 def load_models(cfg: EngineConfig, device: torch.device, dtype: torch.dtype,
                 tp: Group | None = None, progress: bool = True) -> tuple[Models, Path]:
-    """The target (and, unless `mode` is ar, the drafter) of `cfg`, this rank's shard of each;
-    also returns the target's directory."""
+    """The target (and, unless `mode` is ar, the drafter) of `cfg`, this rank's shard of each,
+    their weights in the layout the step of `cfg` runs fastest from; also returns the target's
+    directory."""
     model, draft = model_pair(cfg.model, cfg.draft)
     if not (model / "config.json").is_file():
         raise FileNotFoundError(
@@ -91,6 +92,12 @@ def load_models(cfg: EngineConfig, device: torch.device, dtype: torch.dtype,
     drafter = (DFlashDrafter.from_dir(draft, target.cfg.hidden_size, device, dtype, tp=tp,
                                       rope_amplitude=cfg.draft_rope_amplitude)
                if cfg.mode != "ar" else None)
+    if device.type == "cpu" and not compiles(cfg, device):
+        # NOTE: only the eager step: compiled, plain steps gained 9% from this layout and
+        # trees 0-1% (bs 1), which moves the compiled budget tables, measured without it.
+        for m in (target, drafter):
+            if m is not None:
+                gemm_layout(m)
     return Models(target, drafter, tp=tp), model
 
 
@@ -140,12 +147,6 @@ class LLM:
             device = self.tp.device
             progress = progress and self.tp.rank == 0
         self.models, self.model_dir = load_models(cfg, device, dtype, self.tp, progress)
-        if device.type == "cpu" and not compiled:
-            # NOTE: only the eager step: compiled, plain steps gained 9% from this layout and
-            # trees 0-1% (bs 1), which moves the compiled budget tables, measured without it.
-            for m in (self.models.target, self.models.drafter):
-                if m is not None:
-                    gemm_layout(m)
         self.tokenizer = (Tokenizer.from_dir(self.model_dir)
                           if (self.model_dir / "tiktoken.model").is_file() else None)
         target, drafter = self.models.target, self.models.drafter

@@ -211,9 +211,17 @@ def test_gemm_layout_keeps_the_values_and_every_forward(pair):
                                        model(ids, sparse_moe=sparse)[0], rtol=1e-5, atol=1e-5)
 
 
-def test_eager_engine_runs_the_gemm_layout():
-    from engine import LLM
+def test_eager_steps_load_the_gemm_layout_and_compiled_ones_the_stored():
+    """`load_models`, which the engine and `graphs.profile` share, stores the weights
+    column-major for an eager CPU step and leaves them as stored for a compiled one."""
+    from engine.config import EngineConfig
+    from engine.llm import load_models
 
-    llm = LLM("models/kimi-mini", "models/kimi-mini-dflash", progress=False)
-    assert llm.models.target.lm_head.weight.stride(0) == 1
-    assert llm.models.drafter.fc.weight.stride(0) == 1
+    for compile in ("off", "on"):
+        models, _ = load_models(EngineConfig(compile=compile), torch.device("cpu"),
+                                torch.float32, progress=False)
+        for w in (models.target.lm_head.weight, models.drafter.fc.weight):
+            if compile == "off":
+                assert w.stride(0) == 1 and not w.is_contiguous()
+            else:
+                assert w.is_contiguous()
