@@ -407,8 +407,11 @@ class StepGraphRunner:
         width = self.max_pages
         if not self.use_graphs:
             # Gather only as much context as this batch has (a captured graph needs the full
-            # fixed width; a compiled one takes any).
-            width = min(self.max_pages, -(-max(map(len, inp.pages)) // 8) * 8)
+            # fixed width; a compiled one takes any of 2 pages or more, so gets whole eights:
+            # a size of 1 would be a new graph). Eager steps go to the page: rounded up to 8,
+            # the default job's steps took 4% longer in both modes.
+            most = max(map(len, inp.pages))
+            width = min(self.max_pages, -(-most // 8) * 8 if self.compile else most)
         host = self.staging[size]
         pt = host["page_table"]
         pt[:b] = DUMMY_PAGE
