@@ -171,11 +171,12 @@ def test_dense_expert_pass_equals_sparse_dispatch_and_is_taken_only_when_small()
     idx, w = route_noaux_tc(torch.randn(T, E, generator=g), torch.zeros(E), 2, 1, 1, True, 2.5)
     torch.testing.assert_close(experts_dense(x, idx, w, w13, w2),
                                experts_sparse(x, idx, w, w13, w2))
-    assert dense_is_cheaper(17, 8, 128, 64)  # the bundled model's experts, a tree-16 verify
-    assert not dense_is_cheaper(256, 8, 128, 64)  # ... its prefill of a 256-token prompt
+    assert dense_is_cheaper(8, 8, 128, 64)  # the bundled model's experts, 8 plain rows
+    assert not dense_is_cheaper(17, 8, 128, 64)  # ... a tree-16 verify: the grouped pass
     # compiled steps: instead of the aligned pass up to 16 rows at budget 32 (528 tokens)
     assert dense_is_cheaper(528, 8, 128, 64, "aligned")
     assert not dense_is_cheaper(48, 8, 128, 64, "sparse")
+    assert not dense_is_cheaper(256, 8, 128, 64)  # a 256-token prefill
     for instead_of in ("sparse", "aligned"):  # Kimi K2's experts, one token
         assert not dense_is_cheaper(1, 384, 7168, 2048, instead_of)
 

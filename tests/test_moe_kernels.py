@@ -25,11 +25,14 @@ from engine.models.layers import ExpertBank
 from ops.moe import (
     dequant_experts_fp8,
     dequant_experts_int4,
+    expert_ranks,
     experts_aligned,
     experts_aligned_fp8,
     experts_aligned_w4a16,
     experts_dense,
+    experts_grouped,
     experts_sparse,
+    experts_sparse_by,
     moe_align_block_size,
     moe_align_capacity,
     moe_bytes,
@@ -200,6 +203,47 @@ def test_experts_aligned_matches_dense_and_sparse(kind: str, T: int, k: int, E: 
     assert torch.equal(got[T // 2], torch.zeros(H))
     # Chunking bounds memory only: one block at a time gives the same bits.
     assert torch.equal(experts_aligned(x, idx, w, w13, w2, block, chunk_blocks=1), got)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize(("T", "k", "E"), [(1, 1, 4), (9, 2, 8), (17, 3, 6), (40, 8, 64)])
+def test_experts_grouped_matches_the_sorted_pass(kind: str, T: int, k: int, E: int) -> None:
+    g = torch.Generator().manual_seed(11 * T + k)
+    H, inter = 48, 24
+    idx = _routing(kind, T, k, E, g)
+    x, w = torch.randn(T, H, generator=g), torch.rand(T, k, generator=g)
+    w13, w2 = _bank(E, inter, H, g)
+    rank, cap = expert_ranks(idx, E)
+    flat = idx.reshape(-1).tolist()
+    # a pair's rank counts the earlier pairs of its expert; cap is the busiest expert's count
+    assert rank.tolist() == [flat[:i].count(e) for i, e in enumerate(flat)]
+    assert cap == max(flat.count(e) for e in set(flat))
+    got = experts_grouped(x, idx, w, w13, w2, rank, cap)
+    want = experts_sparse_by(x, idx, w, E, lambda e: (w13[e], w2[e]))
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(got, experts_dense(x, idx, w, w13, w2))
+    torch.testing.assert_close(experts_sparse(x, idx, w, w13, w2), want)
+
+
+def test_experts_sparse_takes_the_grouped_pass_only_while_its_padding_is_small(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import ops.moe as moe
+
+    taken = []
+    monkeypatch.setattr(moe, "experts_grouped",
+                        lambda *a: taken.append(a[-1]) or experts_grouped(*a))
+    g = torch.Generator().manual_seed(3)
+    E, H, inter = 16, 32, 8
+    w13, w2 = _bank(E, inter, H, g)
+    for T, one, grouped in ((12, False, True), (12, True, False), (300, False, False)):
+        idx = _routing("one_expert" if one else "random", T, 2, E, g)
+        x, w = torch.randn(T, H, generator=g), torch.rand(T, 2, generator=g)
+        taken.clear()
+        torch.testing.assert_close(moe.experts_sparse(x, idx, w, w13, w2),
+                                   experts_dense(x, idx, w, w13, w2))
+        # 24 random pairs pad to 16 x (the busiest expert's few) rows, within 4 x 24; all on one
+        # expert they would pad to 16 x 24; 600 pairs are past the cap
+        assert bool(taken) == grouped, (T, one)
 
 
 def test_experts_aligned_drops_out_of_range_ids() -> None:
