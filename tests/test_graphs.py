@@ -12,6 +12,7 @@ from engine.config import SamplingParams
 from engine.kv_cache import DUMMY_PAGE
 from engine.policy import PolicyError, budgets_for_sizes, load_budgets, write_budgets
 from engine.runner import CaptureError, default_capture_sizes
+from engine.scheduler import step_inputs
 from engine.spec import StepBuffers, StepShape, spec_step
 from tests.fakeguard import run_on_fake
 from tests.graph_helpers import (
@@ -138,6 +139,17 @@ def test_eager_runner_uses_static_buffers(models):
     run_steps(runner, reqs, 1)
     assert {bs: b.emit.data_ptr() for bs, b in runner.buffers.items()} == ptrs
     assert runner.graphs == {} and not runner.use_graphs
+
+
+def test_eager_step_gathers_only_the_pages_its_rows_hold(models):
+    shape = StepShape("tree", 6, BLOCK, False)
+    pool = make_pool(models)
+    runner = runner_for(models, pool, shape, [4])
+    reqs = prefilled(models, pool, shape, PROMPTS, _params(False))
+    inp = step_inputs(reqs, runner.coins_per_row(len(reqs)))
+    _, _, width = runner.load(inp)
+    # the longest row's pages, not the table's full width nor a rounded-up width
+    assert width == max(map(len, inp.pages)) < min(8, runner.max_pages), (width, inp.pages)
 
 
 # ---- capture sizes, budgets, capture errors --------------------------------------------------
