@@ -235,14 +235,14 @@ def test_experts_sparse_takes_the_grouped_pass_only_while_its_padding_is_small(
     g = torch.Generator().manual_seed(3)
     E, H, inter = 16, 32, 8
     w13, w2 = _bank(E, inter, H, g)
-    for T, one, grouped in ((12, False, True), (12, True, False), (300, False, False)):
+    for T, one, grouped in ((12, False, True), (12, True, False), (600, False, False)):
         idx = _routing("one_expert" if one else "random", T, 2, E, g)
         x, w = torch.randn(T, H, generator=g), torch.rand(T, 2, generator=g)
         taken.clear()
         torch.testing.assert_close(moe.experts_sparse(x, idx, w, w13, w2),
                                    experts_dense(x, idx, w, w13, w2))
         # 24 random pairs pad to 16 x (the busiest expert's few) rows, within 4 x 24; all on one
-        # expert they would pad to 16 x 24; 600 pairs are past the cap
+        # expert they would pad to 16 x 24; 1,200 pairs are past the cap
         assert bool(taken) == grouped, (T, one)
 
 
