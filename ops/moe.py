@@ -120,8 +120,8 @@ def experts_grouped(x: Tensor, idx: Tensor, w: Tensor, w13: Tensor, w2: Tensor, 
 
 def experts_sparse_by(x: Tensor, idx: Tensor, w: Tensor, num_experts: int,
                       load: Callable[[int], tuple[Tensor, Tensor]]) -> Tensor:
-    """`experts_sparse` with each expert's `(w13 [2I, H], w2 [H, I])` from `load(e)`, called
-    only for experts that have tokens (a packed bank dequantizes just those)."""
+    """The sorted pass of `experts_sparse`, each expert's `(w13 [2I, H], w2 [H, I])` from
+    `load(e)`, called only for experts that have tokens (a packed bank dequantizes just those)."""
     T, k = idx.shape
     flat = idx.reshape(-1)
     order = flat.argsort(stable=True)
