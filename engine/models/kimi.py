@@ -165,7 +165,7 @@ class MLA(nn.Module):
         mask: Tensor | None = None,
     ) -> Tensor:
         """`x [bs, Q, H]`; writes the queries' own cache rows into `tree_kv_out [bs, Q, R + P]`.
-        `mask`: the torch path's key mask, shared by all layers (`ops.attention.joint_mask`)."""
+        `mask`: the torch path's key bias, shared by all layers (`ops.attention.joint_mask`)."""
         c = self.cfg
         q, row = self.latents(x, cos, sin)
         tree_kv_out.copy_(row)
@@ -347,7 +347,8 @@ class KimiForCausalLM(nn.Module):
         if self.dense_moe_is_cheaper(tokens.numel(), moe):
             moe = "dense"
         cos, sin = self._rope(positions)
-        mask = joint_mask(slots, ctx_len, visible) if prefix is None else None
+        heads = self.model.layers[0].self_attn.num_heads
+        mask = joint_mask(slots, ctx_len, visible, heads) if prefix is None else None
 
         def attend(attn: MLA, x: Tensor, i: int) -> tuple[Tensor, None]:
             return attn.forward_absorbed(x, cos, sin, kv_cache[i], slots, ctx_len, visible,
