@@ -110,54 +110,54 @@ def merge_states(o1: Tensor, lse1: Tensor, o2: Tensor, lse2: Tensor) -> Tensor:
     return o1 * w1 + o2 * w2
 
 
-def joint_mask(slots: Tensor, ctx_len: Tensor, visible: Tensor, heads: int) -> Tensor:
-    """The key mask of `joint_attention` as an additive score bias `[bs, Q * heads, C + Q]` (fp32:
-    0 where the query sees the key, -inf elsewhere): its request's committed prefix (context
-    positions `< ctx_len`), then the tree nodes `visible` marks. Every layer shares it (it is as
-    large as one layer's scores). A bias rather than a boolean mask: the score product adds it in
-    the same call (on a CPU a boolean mask broadcast over heads cost a separate pass of 20-50 us a
-    layer at tree sizes)."""
+def joint_bias(slots: Tensor, ctx_len: Tensor, visible: Tensor, heads: int) -> Tensor:
+    """Which keys each query sees in `joint_attention`, as an additive score bias `[bs, Q * heads,
+    C + Q]` (fp32: 0 where the query sees the key, -inf elsewhere): its request's committed prefix
+    (context positions `< ctx_len`), then the tree nodes `visible` marks. Every layer shares it (it
+    is as large as one layer's scores). A bias rather than a boolean mask: the score product adds
+    it in the same call (on a CPU a boolean mask broadcast over heads cost a separate pass of
+    20-50 us a layer at tree sizes)."""
     bs, nq, _ = visible.shape
     pos = torch.arange(slots.shape[1], device=slots.device)
     prefix_ok = (pos[None, :] < ctx_len[:, None])[:, None, :].expand(bs, nq, -1)
     ok = torch.cat([prefix_ok, visible], dim=2)[:, :, None, :].expand(-1, -1, heads, -1)
-    bias = torch.zeros(ok.shape, dtype=torch.float32, device=ok.device).masked_fill_(~ok, NEG_INF)
-    return bias.view(bs, nq * heads, -1)
+    bias = torch.full(ok.shape, NEG_INF, dtype=torch.float32, device=ok.device)
+    return bias.masked_fill_(ok, 0.0).view(bs, nq * heads, -1)
 
 
 def joint_attention(
-    q_lat: Tensor, q_pe: Tensor, kv_cache: Tensor, slots: Tensor, tree_kv: Tensor, mask: Tensor,
+    q_lat: Tensor, q_pe: Tensor, kv_cache: Tensor, slots: Tensor, tree_kv: Tensor, bias: Tensor,
     kv_lora_rank: int, scale: float,
 ) -> Tensor:
     """Prefix and tree keys in one softmax: what `prefix_attention` + `tree_attention` +
     `merge_states` compute, in a handful of ops (the torch path; a planned prefix kernel needs
-    the split form). `mask` is `joint_mask(...)` (an additive bias); other shapes as in
+    the split form). `bias` is `joint_bias(...)`; other shapes as in
     `absorbed_attention`; returns `[bs, Q, H, R]` (fp32)."""
     bs, nq, nh, _ = q_lat.shape
     kv = torch.cat([gather_slots(kv_cache, slots), tree_kv], dim=1).float()  # [bs, C + Q, R + P]
     q = torch.cat([q_lat, q_pe], dim=-1).float().reshape(bs, nq * nh, -1) * scale
     # NOTE: every query sees itself, so no row is all -inf. A seen key's score is the product
     # plus exactly 0, bit for bit the product alone.
-    p = torch.softmax(torch.baddbmm(mask, q, kv.transpose(1, 2)), dim=-1)
+    p = torch.softmax(torch.baddbmm(bias, q, kv.transpose(1, 2)), dim=-1)
     return torch.bmm(p, kv[..., :kv_lora_rank]).view(bs, nq, nh, kv_lora_rank)
 
 
 def absorbed_attention(
     q_lat: Tensor, q_pe: Tensor, kv_cache: Tensor, slots: Tensor, ctx_len: Tensor,
     tree_kv: Tensor, visible: Tensor, kv_lora_rank: int, scale: float,
-    prefix: PrefixKernel | None = None, mask: Tensor | None = None,
+    prefix: PrefixKernel | None = None, bias: Tensor | None = None,
 ) -> Tensor:
     """Verify/decode attention in latent space `[bs, Q, H, R]`: the queries against their
     request's committed prefix (`slots`, `ctx_len`) and the tree's own latents (`visible`).
 
-    Without `prefix`, one softmax over both key sets (`joint_attention`; pass `mask` =
-    `joint_mask(slots, ctx_len, visible, H)` to share it across layers). A planned prefix kernel
+    Without `prefix`, one softmax over both key sets (`joint_attention`; pass `bias` =
+    `joint_bias(slots, ctx_len, visible, H)` to share it across layers). A planned prefix kernel
     (`ops.attention_gpu`, reading the pages it was planned with instead of `slots`) gives the
     prefix pass; the tree pass and a log-sum-exp merge complete it."""
     if prefix is None:
-        if mask is None:
-            mask = joint_mask(slots, ctx_len, visible, q_lat.shape[2])
-        return joint_attention(q_lat, q_pe, kv_cache, slots, tree_kv, mask, kv_lora_rank, scale)
+        if bias is None:
+            bias = joint_bias(slots, ctx_len, visible, q_lat.shape[2])
+        return joint_attention(q_lat, q_pe, kv_cache, slots, tree_kv, bias, kv_lora_rank, scale)
     o1, l1 = prefix(q_lat, q_pe, kv_cache, ctx_len)
     o2, l2 = tree_attention(q_lat, q_pe, tree_kv, visible, kv_lora_rank, scale)
     return merge_states(o1, l1, o2, l2)

@@ -135,7 +135,7 @@ def test_joint_attention_equals_prefix_tree_merge():
     planned prefix kernel uses, rows with an empty context included."""
     from ops.attention import (
         joint_attention,
-        joint_mask,
+        joint_bias,
         merge_states,
         prefix_attention,
         tree_attention,
@@ -155,13 +155,13 @@ def test_joint_attention_equals_prefix_tree_merge():
     visible = visible.expand(bs, Q, Q)
     o1, l1 = prefix_attention(q_lat, q_pe, kv_cache, slots, ctx_len, R, 0.3)
     o2, l2 = tree_attention(q_lat, q_pe, tree_kv, visible, R, 0.3)
-    mask = joint_mask(slots, ctx_len, visible, H)
-    got = joint_attention(q_lat, q_pe, kv_cache, slots, tree_kv, mask, R, 0.3)
+    bias = joint_bias(slots, ctx_len, visible, H)
+    got = joint_attention(q_lat, q_pe, kv_cache, slots, tree_kv, bias, R, 0.3)
     torch.testing.assert_close(got, merge_states(o1, l1, o2, l2), rtol=1e-5, atol=1e-5)
     # The bias adds exactly 0 to a seen key's score: the same bits as a boolean mask's fill.
     kv = torch.cat([kv_cache[slots], tree_kv], dim=1)
     s = torch.bmm(torch.cat([q_lat, q_pe], -1).reshape(bs, Q * H, -1) * 0.3, kv.transpose(1, 2))
-    seen = (mask == 0).view(bs, Q, H, -1)
+    seen = (bias == 0).view(bs, Q, H, -1)
     assert torch.equal(seen[:, :, 0, C:], visible) and bool((seen == seen[..., :1, :]).all())
     p = torch.softmax(s.view(bs, Q, H, -1).masked_fill(~seen, float("-inf")), -1)
     assert torch.equal(got, torch.bmm(p.view(bs, Q * H, -1), kv[..., :R]).view(bs, Q, H, R))

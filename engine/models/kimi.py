@@ -43,7 +43,7 @@ from engine.models.layers import (
     linear,
 )
 from engine.weights import load_checkpoint
-from ops.attention import PrefixKernel, absorbed_attention, joint_mask, mla_naive
+from ops.attention import PrefixKernel, absorbed_attention, joint_bias, mla_naive
 from ops.moe import dense_is_cheaper, route_noaux_tc
 from ops.rope import apply_rope_interleaved, rope_cos_sin, rope_frequencies
 
@@ -162,17 +162,17 @@ class MLA(nn.Module):
     def forward_absorbed(
         self, x: Tensor, cos: Tensor, sin: Tensor, kv_cache: Tensor, slots: Tensor,
         ctx_len: Tensor, visible: Tensor, tree_kv_out: Tensor, prefix: PrefixKernel | None = None,
-        mask: Tensor | None = None,
+        bias: Tensor | None = None,
     ) -> Tensor:
         """`x [bs, Q, H]`; writes the queries' own cache rows into `tree_kv_out [bs, Q, R + P]`.
-        `mask`: the torch path's key bias, shared by all layers (`ops.attention.joint_mask`)."""
+        `bias`: the torch path's key bias, shared by all layers (`ops.attention.joint_bias`)."""
         c = self.cfg
         q, row = self.latents(x, cos, sin)
         tree_kv_out.copy_(row)
         w_uk, w_uv = self._absorb_weights()
         q_lat = torch.einsum("bqhd,hdr->bqhr", q[..., :c.qk_nope_head_dim], w_uk)
         o_lat = absorbed_attention(q_lat, q[..., c.qk_nope_head_dim:], kv_cache, slots, ctx_len,
-                                   tree_kv_out, visible, c.kv_lora_rank, self.scale, prefix, mask)
+                                   tree_kv_out, visible, c.kv_lora_rank, self.scale, prefix, bias)
         o = torch.einsum("bqhr,hvr->bqhv", o_lat.to(x.dtype), w_uv)
         return self.o_proj(o.reshape(*x.shape[:-1], -1))
 
@@ -348,11 +348,11 @@ class KimiForCausalLM(nn.Module):
             moe = "dense"
         cos, sin = self._rope(positions)
         heads = self.model.layers[0].self_attn.num_heads
-        mask = joint_mask(slots, ctx_len, visible, heads) if prefix is None else None
+        bias = joint_bias(slots, ctx_len, visible, heads) if prefix is None else None
 
         def attend(attn: MLA, x: Tensor, i: int) -> tuple[Tensor, None]:
             return attn.forward_absorbed(x, cos, sin, kv_cache[i], slots, ctx_len, visible,
-                                         tree_kv_out[i], prefix, mask), None
+                                         tree_kv_out[i], prefix, bias), None
 
         h = self.model.embed_tokens(tokens)
         aux = []
