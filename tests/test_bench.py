@@ -1,6 +1,7 @@
 """`python -m bench.spec` end to end on a tiny random pair: every run appears once per round,
 greedy outputs of every mode equal ar's, and the JSON and plot are written; and its
-perfect-drafter ceiling; the order of the interleaved runs; and the interval of a ratio."""
+perfect-drafter ceiling; `python -m bench.job` on a two-line job; the order of the interleaved
+runs; and the interval of a ratio."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from bench import spec
+from bench import job, spec
 from bench.common import ratio_interval, round_order
 
 
@@ -89,3 +90,27 @@ def test_round_order_rotates_every_run_through_every_place() -> None:
         assert sorted(r[place] for r in rounds) == sorted(runs)
     # no run goes first right after going last (its caches still warm)
     assert all(a[-1] != b[0] for a, b in zip(rounds, rounds[1:] + rounds[:1]))
+
+
+def test_bench_job_pairs_the_cli_with_ar(tmp_path: Path) -> None:
+    """Two fresh `engine.generate` processes a pair, each mode's printed tokens/s read back, and
+    greedy lines the same in both modes."""
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "def add(a, b):\\n"}\n{"prompt": "import os\\n"}\n')
+    job.main(["--pairs", "1", "--prompts", str(prompts), "--out", str(tmp_path),
+              "--max-new-tokens", "5"])
+    data = json.loads((tmp_path / "job.json").read_text())
+    assert data["flags"] == ["--max-new-tokens", "5"]
+    assert sorted(r["mode"] for r in data["runs"]) == ["ar", "default"]
+    s = data["summary"]
+    assert s["same_as_ar"] == s["runs"] == 2
+    assert s["steps"]["ar"] == 2 * 4  # the first token comes from the prefill
+    assert s["ratio"] == pytest.approx(s["tokens_per_s"]["default"] / s["tokens_per_s"]["ar"])
+    for r in data["runs"]:
+        lines = (tmp_path / "job" / f"{r['mode']}-0.jsonl").read_text().splitlines()
+        assert [len(json.loads(x)["token_ids"]) for x in lines] == [5, 5]
+    assert (tmp_path / "job.png").stat().st_size > 0
+    with pytest.raises(SystemExit):  # the benchmark names each run's output itself
+        job.main(["--output", "x.jsonl"])
+    with pytest.raises(ValueError, match="no summary line"):
+        job.parse_summary("error: something else\n")
