@@ -106,6 +106,7 @@ def test_bench_job_pairs_the_cli_with_ar(tmp_path: Path) -> None:
     assert s["same_as_ar"] == s["runs"] == 2
     assert s["steps"]["ar"] == 2 * 4  # the first token comes from the prefill
     assert s["ratio"] == pytest.approx(s["tokens_per_s"]["default"] / s["tokens_per_s"]["ar"])
+    assert s["pair_median"] == pytest.approx(s["ratio"])  # one pair: its ratio is both
     for r in data["runs"]:
         lines = (tmp_path / "job" / f"{r['mode']}-0.jsonl").read_text().splitlines()
         assert [len(json.loads(x)["token_ids"]) for x in lines] == [5, 5]
