@@ -115,6 +115,8 @@ def main(argv: list[str] | None = None) -> None:
         ax1.legend()
         ax2.plot(s["pair_ratios"], "o", label="pair")
         ax2.axhline(s["ratio"], color="C1", label=f"ratio of medians {s['ratio']:.2f}x")
+        ax2.axhline(s["pair_median"], color="C2", ls="--",
+                    label=f"median of pairs {s['pair_median']:.2f}x")
         ax2.axhline(1.0, color="grey", lw=0.8)
         ax2.set(xlabel="pair", ylabel="default / ar", title="ratio")
         ax2.legend()
