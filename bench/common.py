@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import platform
 import statistics
 import time
@@ -63,6 +64,26 @@ def time_fn(
     return statistics.median(times)
 
 
+def cpu_name(cpuinfo: str | None = None) -> str:
+    """The CPU as Linux's `/proc/cpuinfo` (or the text `cpuinfo`) names its first processor, with
+    its family, model and stepping: a cloud names different parts alike ("AMD EPYC"), and a
+    speculative step's cost against a plain one's moves between them. Elsewhere
+    `platform.processor()`."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            return platform.processor() or "unknown"
+    info: dict[str, str] = {}
+    for line in cpuinfo.splitlines():
+        key, sep, value = line.partition(":")
+        if sep:
+            info.setdefault(key.strip(), value.strip())
+    name = info.get("model name") or platform.processor() or "unknown"
+    ids = [f"{k.split()[-1]} {info[k]}" for k in ("cpu family", "model", "stepping") if k in info]
+    return f"{name} ({', '.join(ids)})" if ids else name
+
+
 def environment(device: str) -> dict[str, Any]:
     """What the numbers depend on, stored next to them."""
     env = {
@@ -71,6 +92,8 @@ def environment(device: str) -> dict[str, Any]:
         "device": device,
         "threads": torch.get_num_threads(),
         "machine": platform.machine(),
+        "cpu": cpu_name(),
+        "cpus": os.cpu_count(),
     }
     if torch.device(device).type == "cuda":
         env["gpu"] = torch.cuda.get_device_name()

@@ -100,12 +100,14 @@ def main(argv: list[str] | None = None) -> None:
     med = s["tokens_per_s"]
     lo, hi = s["ratio_90"]
     plo, phi = min(s["pair_ratios"]), max(s["pair_ratios"])
+    env = environment("cuda" if torch.cuda.is_available() else "cpu")
     print(f"default {med['default']:.1f} tokens/s against ar {med['ar']:.1f} (medians of "
           f"{a.pairs}): {s['ratio']:.2f}x (90% bootstrap interval {lo:.2f}-{hi:.2f}, pairs "
           f"{plo:.2f}-{phi:.2f}, their median {s['pair_median']:.2f}); "
           f"{s['mean_accept_len']:.2f} tokens a request's step over "
           f"{s['steps']['default']:g} request steps against {s['steps']['ar']:g}; "
-          f"{s['same_as_ar']} of {s['runs']} runs wrote the first AR run's tokens")
+          f"{s['same_as_ar']} of {s['runs']} runs wrote the first AR run's tokens; "
+          f"{env['cpu']}, {env['cpus']} CPUs, {env['threads']} torch threads")
 
     def plot(fig: Any) -> None:
         ax1, ax2 = fig.subplots(1, 2)
@@ -121,9 +123,8 @@ def main(argv: list[str] | None = None) -> None:
         ax2.set(xlabel="pair", ylabel="default / ar", title="ratio")
         ax2.legend()
 
-    device = "cuda" if torch.cuda.is_available() else "cpu"
     write_results(a.name, {"prompts": str(prompts), "flags": flags, "pairs": a.pairs,
-                           "environment": environment(device), "summary": s, "runs": runs},
+                           "environment": env, "summary": s, "runs": runs},
                   plot, a.out)
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from bench import job, spec
-from bench.common import ratio_interval, round_order
+from bench.common import cpu_name, environment, ratio_interval, round_order
 
 
 def test_bench_spec_random_pair(tmp_path: Path) -> None:
@@ -90,6 +90,16 @@ def test_round_order_rotates_every_run_through_every_place() -> None:
         assert sorted(r[place] for r in rounds) == sorted(runs)
     # no run goes first right after going last (its caches still warm)
     assert all(a[-1] != b[0] for a, b in zip(rounds, rounds[1:] + rounds[:1]))
+
+
+def test_the_environment_names_the_cpu_part() -> None:
+    """Two parts a cloud calls alike are told apart by family, model and stepping."""
+    info = ("processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 25\nmodel\t\t: 1\n"
+            "model name\t: AMD EPYC\nstepping\t: 1\n\nprocessor\t: 1\nmodel name\t: other\n")
+    assert cpu_name(info) == "AMD EPYC (family 25, model 1, stepping 1)"
+    assert cpu_name("model name : Some CPU\n") == "Some CPU"
+    env = environment("cpu")
+    assert env["cpu"] and env["cpus"] >= 1
 
 
 def test_bench_job_pairs_the_cli_with_ar(tmp_path: Path) -> None:
