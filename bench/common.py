@@ -66,8 +66,8 @@ def time_fn(
 
 def cpu_name(cpuinfo: str | None = None) -> str:
     """The CPU as Linux's `/proc/cpuinfo` (or the text `cpuinfo`) names its first processor, with
-    its family, model and stepping: a cloud names different parts alike ("AMD EPYC"), and a
-    speculative step's cost against a plain one's moves between them. Elsewhere
+    its family, model and stepping: a cloud names different parts alike ("AMD EPYC"), and this
+    project's ratios have read differently from one day's machine to another's. Elsewhere
     `platform.processor()`."""
     if cpuinfo is None:
         try:
