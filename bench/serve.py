@@ -12,7 +12,9 @@ throughput is completion tokens over the cell's wall time. Every round runs each
 servers back to back, which one first alternating from cell to cell and round to round
 (`round_order`), then the offline `LLM` (the default server's engine flags, loaded once in
 this process, torch's default threads) on the same requests one at a time, as a single client
-sees them; each number is the median over rounds. Writes JSON and a PNG under `runs/bench/`
+sees them; each number is the median over rounds, and each cell also reports the median of its
+rounds' own default/ar ratios ("paired", `cell_row`). `--server-args "--mode ar"` runs AR
+against AR: what a cell reads from noise alone. Writes JSON and a PNG under `runs/bench/`
 (`--out`), and each server's log beside them (`serve-default.log`, `serve-ar.log`).
 """
 
@@ -141,6 +143,20 @@ def median(rounds: list[dict[str, float]]) -> dict[str, Any]:
     return out
 
 
+def cell_row(temperature: float, clients: int, default: list[dict[str, float]],
+             ar: list[dict[str, float]]) -> dict[str, Any]:
+    """One cell's row: each server's median over the rounds, the ratio of those medians, and
+    each round's own ratio with their median (`round_median`, the table's "paired"). A round
+    runs the cell on both servers back to back, so a slow spell of the machine that spans it
+    moves both; the ratio of medians may take its two medians from different spells."""
+    d, a = median(default), median(ar)
+    pairs = [x["tokens_per_s"] / y["tokens_per_s"] for x, y in zip(default, ar, strict=True)]
+    return {"temperature": temperature, "clients": clients, "default": d, "ar": a,
+            "default_tok_s": d["tokens_per_s"], "ar_tok_s": a["tokens_per_s"],
+            "ratio": d["tokens_per_s"] / a["tokens_per_s"], "round_ratios": pairs,
+            "round_median": statistics.median(pairs)}
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m bench.serve", description=__doc__.split("\n")[0])
     ap.add_argument("--model")
@@ -219,15 +235,11 @@ def _bench(a: argparse.Namespace, config: EngineConfig, servers: list[Server]) -
                 off[t].append(m)
                 print(f"round {r + 1}/{a.rounds}  T={t:g}  offline, one at a time: "
                       f"{m['tokens_per_s']:7.1f} tok/s ({m['seconds']:.1f} s)", flush=True)
-    rows = []
-    for t, c in cells:
-        d, ar = median(res[("default", t, c)]), median(res[("ar", t, c)])
-        rows.append({"temperature": t, "clients": c, "default": d, "ar": ar,
-                     "default_tok_s": d["tokens_per_s"], "ar_tok_s": ar["tokens_per_s"],
-                     "ratio": d["tokens_per_s"] / ar["tokens_per_s"]})
+    rows = [cell_row(t, c, res[("default", t, c)], res[("ar", t, c)]) for t, c in cells]
     print(table(rows, [("temperature", "T", "g"), ("clients", "clients", "d"),
                        ("default_tok_s", "default tok/s", ".1f"),
-                       ("ar_tok_s", "ar tok/s", ".1f"), ("ratio", "default/ar", ".2f")]))
+                       ("ar_tok_s", "ar tok/s", ".1f"), ("ratio", "default/ar", ".2f"),
+                       ("round_median", "paired", ".2f")]))
     offline = []
     for t in temps:
         o = median(off[t])
@@ -242,6 +254,8 @@ def _bench(a: argparse.Namespace, config: EngineConfig, servers: list[Server]) -
     greedy_off = next((o for o in offline if o["temperature"] == 0), None)
     summary = {"min_default_vs_ar": min(r["ratio"] for r in rows),
                "default_vs_ar_1client_greedy": greedy1 and greedy1["ratio"],
+               "min_paired": min(r["round_median"] for r in rows),
+               "paired_1client_greedy": greedy1 and greedy1["round_median"],
                "server_vs_offline_1client_greedy": greedy_off and greedy_off["server_vs_offline"]}
     print("  ".join(f"{k} {v:.2f}" if v is not None else f"{k} -" for k, v in summary.items()))
 

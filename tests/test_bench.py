@@ -1,7 +1,7 @@
 """`python -m bench.spec` end to end on a tiny random pair: every run appears once per round,
 greedy outputs of every mode equal ar's, and the JSON and plot are written; and its
 perfect-drafter ceiling; `python -m bench.job` on a two-line job; the order of the interleaved
-runs; and the interval of a ratio."""
+runs; the interval of a ratio; and a server cell's paired ratio."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from bench import job, spec
+from bench import job, serve, spec
 from bench.common import cpu_name, environment, ratio_interval, round_order
 
 
@@ -90,6 +90,19 @@ def test_round_order_rotates_every_run_through_every_place() -> None:
         assert sorted(r[place] for r in rounds) == sorted(runs)
     # no run goes first right after going last (its caches still warm)
     assert all(a[-1] != b[0] for a, b in zip(rounds, rounds[1:] + rounds[:1]))
+
+
+def test_a_server_cell_pairs_each_round() -> None:
+    # round 2 is a slow spell for both servers: the medians come from different rounds, the
+    # paired ratio from each round's own pair
+    rounds = lambda *r: [{"tokens_per_s": x, "tokens": 64, "seconds": 64 / x} for x in r]
+    row = serve.cell_row(0.7, 4, rounds(100, 50, 96), rounds(100, 50, 80))
+    assert row["ratio"] == pytest.approx(96 / 80)
+    assert row["round_ratios"] == pytest.approx([1.0, 1.0, 1.2])
+    assert row["round_median"] == pytest.approx(1.0)
+    assert (row["temperature"], row["clients"]) == (0.7, 4)
+    with pytest.raises(ValueError):  # every round runs both servers
+        serve.cell_row(0, 1, rounds(100, 50), rounds(100))
 
 
 def test_the_environment_names_the_cpu_part() -> None:
