@@ -13,9 +13,10 @@ servers back to back, which one first alternating from cell to cell and round to
 (`round_order`), then the offline `LLM` (the default server's engine flags, loaded once in
 this process, torch's default threads) on the same requests one at a time, as a single client
 sees them; each number is the median over rounds, and each cell also reports the median of its
-rounds' own default/ar ratios ("paired", `cell_row`). `--server-args "--mode ar"` runs AR
-against AR: what a cell reads from noise alone. Writes JSON and a PNG under `runs/bench/`
-(`--out`), and each server's log beside them (`serve-default.log`, `serve-ar.log`).
+rounds' own default/ar ratios ("paired", `cell_row`), as does the server at one client against
+the offline engine. `--server-args "--mode ar"` runs AR against AR: what a cell reads from
+noise alone. Writes JSON and a PNG under `runs/bench/` (`--out`), and each server's log beside
+them (`serve-default.log`, `serve-ar.log`).
 """
 
 from __future__ import annotations
@@ -244,19 +245,26 @@ def _bench(a: argparse.Namespace, config: EngineConfig, servers: list[Server]) -
     for t in temps:
         o = median(off[t])
         one = next((r for r in rows if r["temperature"] == t and r["clients"] == 1), None)
+        # each round runs the one-client cell, then the offline engine: paired as the cells are
+        paired = one and statistics.median(
+            x / y for x, y in zip(one["default"]["tokens_per_s_rounds"],
+                                  o["tokens_per_s_rounds"], strict=True))
         o.update(temperature=t, server_1client_tok_s=one and one["default_tok_s"],
-                 server_vs_offline=one and one["default_tok_s"] / o["tokens_per_s"])
+                 server_vs_offline=one and one["default_tok_s"] / o["tokens_per_s"],
+                 server_vs_offline_paired=paired)
         offline.append(o)
         print(f"T={t:g}: server 1 client {o['server_1client_tok_s'] or float('nan'):.1f} tok/s, "
               f"offline {o['tokens_per_s']:.1f} tok/s, server/offline "
-              f"{o['server_vs_offline'] or float('nan'):.2f}")
+              f"{o['server_vs_offline'] or float('nan'):.2f} (paired {paired or float('nan'):.2f})")
     greedy1 = next((r for r in rows if r["temperature"] == 0 and r["clients"] == 1), None)
     greedy_off = next((o for o in offline if o["temperature"] == 0), None)
     summary = {"min_default_vs_ar": min(r["ratio"] for r in rows),
                "default_vs_ar_1client_greedy": greedy1 and greedy1["ratio"],
                "min_paired": min(r["round_median"] for r in rows),
                "paired_1client_greedy": greedy1 and greedy1["round_median"],
-               "server_vs_offline_1client_greedy": greedy_off and greedy_off["server_vs_offline"]}
+               "server_vs_offline_1client_greedy": greedy_off and greedy_off["server_vs_offline"],
+               "paired_server_vs_offline_1client_greedy":
+                   greedy_off and greedy_off["server_vs_offline_paired"]}
     print("  ".join(f"{k} {v:.2f}" if v is not None else f"{k} -" for k, v in summary.items()))
 
     def plot(fig: Any) -> None:
