@@ -24,6 +24,14 @@ def round_order(items: list[Any], i: int) -> list[Any]:
     return items[k:] + items[:k]
 
 
+def paired_ratios(base: list[float], other: list[float]) -> list[float]:
+    """Each round's own `other / base` (round `i` of each ran in the same pass, so a slow spell
+    of the machine that spans it moves both)."""
+    if len(base) != len(other) or not base:
+        raise ValueError(f"paired rounds needed, got {len(base)} and {len(other)}")
+    return [o / b for b, o in zip(base, other)]
+
+
 def ratio_interval(base: list[float], other: list[float], level: float = 0.9,
                    draws: int = 2000, seed: int = 0) -> tuple[float, float]:
     """A bootstrap interval of `median(other) / median(base)` over paired rounds (round `i` of
@@ -31,8 +39,7 @@ def ratio_interval(base: list[float], other: list[float], level: float = 0.9,
     rounds, the middle `level` of the ratios. On a shared machine a ratio of two engines doing
     the same work moves by several percent from run to run; this says how far, from the run's
     own rounds."""
-    if len(base) != len(other) or not base:
-        raise ValueError(f"paired rounds needed, got {len(base)} and {len(other)}")
+    paired_ratios(base, other)  # the rounds must pair
     import numpy as np
     from scipy.stats import bootstrap  # NOTE: a dev dependency, as the plots' matplotlib is
 

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from bench.common import environment, ratio_interval, round_order, write_results
+from bench.common import environment, paired_ratios, ratio_interval, round_order, write_results
 from engine.llm import REPO
 
 # What `engine.generate` prints when a job ends (its `_generate`).
@@ -60,7 +60,7 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
     ratios, and the runs whose tokens equal the first AR run's line for line."""
     tps = {m: [r["tokens_per_s"] for r in runs if r["mode"] == m] for m in MODES}
     med = {m: statistics.median(v) for m, v in tps.items()}
-    pairs = [a / b for a, b in zip(tps["default"], tps["ar"])]
+    pairs = paired_ratios(tps["ar"], tps["default"])
     lo, hi = ratio_interval(tps["ar"], tps["default"]) if len(pairs) > 1 else (pairs[0],) * 2
     return {"tokens_per_s": med, "ratio": med["default"] / med["ar"], "ratio_90": [lo, hi],
             "pair_ratios": pairs, "pair_median": statistics.median(pairs),

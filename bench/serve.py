@@ -35,7 +35,14 @@ from typing import IO, Any
 import httpx
 from pydantic import ValidationError
 
-from bench.common import bench_prompts, environment, round_order, table, write_results
+from bench.common import (
+    bench_prompts,
+    environment,
+    paired_ratios,
+    round_order,
+    table,
+    write_results,
+)
 from engine.config import EngineConfig, SamplingParams, add_cli_args, error_text, from_cli
 from engine.llm import LLM, REPO, compile_auto, model_pair
 
@@ -151,7 +158,7 @@ def cell_row(temperature: float, clients: int, default: list[dict[str, float]],
     runs the cell on both servers back to back, so a slow spell of the machine that spans it
     moves both; the ratio of medians may take its two medians from different spells."""
     d, a = median(default), median(ar)
-    pairs = [x["tokens_per_s"] / y["tokens_per_s"] for x, y in zip(default, ar, strict=True)]
+    pairs = paired_ratios([r["tokens_per_s"] for r in ar], [r["tokens_per_s"] for r in default])
     return {"temperature": temperature, "clients": clients, "default": d, "ar": a,
             "default_tok_s": d["tokens_per_s"], "ar_tok_s": a["tokens_per_s"],
             "ratio": d["tokens_per_s"] / a["tokens_per_s"], "round_ratios": pairs,
@@ -247,8 +254,7 @@ def _bench(a: argparse.Namespace, config: EngineConfig, servers: list[Server]) -
         one = next((r for r in rows if r["temperature"] == t and r["clients"] == 1), None)
         # each round runs the one-client cell, then the offline engine: paired as the cells are
         paired = one and statistics.median(
-            x / y for x, y in zip(one["default"]["tokens_per_s_rounds"],
-                                  o["tokens_per_s_rounds"], strict=True))
+            paired_ratios(o["tokens_per_s_rounds"], one["default"]["tokens_per_s_rounds"]))
         o.update(temperature=t, server_1client_tok_s=one and one["default_tok_s"],
                  server_vs_offline=one and one["default_tok_s"] / o["tokens_per_s"],
                  server_vs_offline_paired=paired)
