@@ -16,6 +16,7 @@ from engine.config import EngineConfig, SamplingParams
 from engine.llm import compile_auto, compiles
 from engine.runner import PrefillInputs, StepInputs
 from engine.spec import StepShape
+from ops.moe import INDEXED_MAX_PAIRS
 from tests.graph_helpers import (
     BLOCK,
     fresh_copies,
@@ -106,6 +107,11 @@ def test_a_lone_prompt_prefills_compiled_as_it_does_eagerly(models):
             assert (got - want).abs().max().item() < 1e-4
     # one graph for every length (none, if another test compiled it first)
     assert counters["stats"]["unique_graphs"] <= before + 1
+    # its expert pass reads the chosen experts in place up to INDEXED_MAX_PAIRS pairs: a longer
+    # prompt prefills eagerly rather than compile a second graph
+    longest = INDEXED_MAX_PAIRS // models.target.cfg.num_experts_per_tok
+    assert runner.compiles_prefill([[7] * longest])
+    assert not runner.compiles_prefill([[7] * (longest + 1)])
 
 
 def test_warm_up_covers_the_common_batches(models, monkeypatch):

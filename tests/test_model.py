@@ -188,6 +188,50 @@ def test_dense_expert_pass_equals_sparse_dispatch_and_is_taken_only_when_small()
         assert not dense_is_cheaper(1, 384, 7168, 2048, instead_of)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_indexed_expert_pass_equals_dense(dtype):
+    """The compiled CPU step's expert pass: each token through its chosen experts only, the
+    weights indexed in place, is the dense pass's sum, eagerly and as inductor compiles it."""
+    from ops.moe import experts_dense, experts_indexed, route_noaux_tc
+
+    g = torch.Generator().manual_seed(1)
+    E, H, inter, T = 8, 32, 16, 9
+    x = torch.randn(T, H, generator=g).to(dtype)
+    w13 = (torch.randn(E, 2 * inter, H, generator=g) * 0.1).to(dtype)
+    w2 = (torch.randn(E, H, inter, generator=g) * 0.1).to(dtype)
+    idx, w = route_noaux_tc(torch.randn(T, E, generator=g), torch.zeros(E), 2, 1, 1, True, 2.5)
+    want = experts_dense(x.float(), idx, w, w13.float(), w2.float())
+    tol = {} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-2}
+    got = experts_indexed(x, idx, w, w13, w2)
+    assert got.dtype == dtype
+    torch.testing.assert_close(got.float(), want, **tol)
+    compiled = torch.compile(experts_indexed, fullgraph=True, dynamic=False)
+    torch.testing.assert_close(compiled(x, idx, w, w13, w2).float(), want, **tol)
+
+
+def test_expert_pass_indexes_a_float_bank_only_inside_a_compile(pair, monkeypatch):
+    """Eager forwards keep the sparse / dense / aligned choice; inside a compile on the CPU a
+    float bank's chosen experts are read in place, up to INDEXED_MAX_PAIRS pairs; a quantized
+    bank never is (it would dequantize every pair's expert)."""
+    from engine.models.kimi import MoE
+    from ops.moe import INDEXED_MAX_PAIRS
+
+    _, model, _ = pair
+    k = model.cfg.num_experts_per_tok
+    eager = {(n, s, f): model.expert_pass(n, s, f) for n in (1, 5, 300)
+             for s, f in ((True, "dense"), (False, "dense"), (False, "aligned"))}
+    assert "indexed" not in eager.values()
+    assert eager[(300, True, "dense")] == "sparse" and eager[(5, False, "dense")] == "dense"
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    for fixed in ("dense", "aligned"):
+        assert model.expert_pass(5, False, fixed) == "indexed"
+        assert model.expert_pass(INDEXED_MAX_PAIRS // k, False, fixed) == "indexed"
+        assert model.expert_pass(INDEXED_MAX_PAIRS // k + 1, False, fixed) != "indexed"
+    bank = next(b.mlp.experts for b in model.model.layers if isinstance(b.mlp, MoE))
+    monkeypatch.setattr(bank, "fmt", "int4")
+    assert model.expert_pass(5, False, "aligned") == "aligned"
+
+
 def test_gemm_layout_keeps_the_values_and_every_forward(pair):
     """The eager CPU step's weight layout (`gemm_layout`): float linears and the expert bank
     stored column-major, a tied embedding left as it is, every forward as before."""

@@ -44,7 +44,7 @@ from engine.models.layers import (
 )
 from engine.weights import load_checkpoint
 from ops.attention import PrefixKernel, absorbed_attention, joint_bias, mla_naive
-from ops.moe import dense_is_cheaper, route_noaux_tc
+from ops.moe import INDEXED_MAX_PAIRS, dense_is_cheaper, route_noaux_tc
 from ops.rope import apply_rope_interleaved, rope_cos_sin, rope_frequencies
 
 # (attention module, normed hidden states, layer index) -> (attention output, extra)
@@ -279,13 +279,37 @@ class KimiForCausalLM(nn.Module):
 
     # ---- forwards --------------------------------------------------------------------------------
 
+    def _expert_bank(self) -> ExpertBank | None:
+        return next((b.mlp.experts for b in self.model.layers if isinstance(b.mlp, MoE)), None)
+
     def dense_moe_is_cheaper(self, tokens: int, instead_of: str) -> bool:
         """Whether every expert on each of `tokens` tokens costs less than the expert pass
         `instead_of` ("sparse" or "aligned") for this rank's bank (`ops.moe.dense_is_cheaper`;
         never for a quantized bank, which would dequantize whole; always without one)."""
-        bank = next((b.mlp.experts for b in self.model.layers if isinstance(b.mlp, MoE)), None)
+        bank = self._expert_bank()
         return bank is None or bank.fmt is None and dense_is_cheaper(
             tokens, bank.num_experts, bank.hidden, bank.inter, instead_of)
+
+    def indexes_experts(self, tokens: int) -> bool:
+        """Whether a forward over `tokens` tokens that inductor compiles reads only the chosen
+        experts, in place (`ops.moe.experts_indexed`): a float bank on the CPU, up to
+        `ops.moe.INDEXED_MAX_PAIRS` (token, expert) pairs."""
+        bank = self._expert_bank()
+        return (bank is not None and bank.fmt is None and bank.w13.device.type == "cpu"
+                and tokens * self.cfg.num_experts_per_tok <= INDEXED_MAX_PAIRS)
+
+    def expert_pass(self, tokens: int, sparse_moe: bool, fixed: str) -> str:
+        """How the expert banks dispatch `tokens` tokens (`ExpertBank.forward`'s mode): inside
+        an inductor compile, the chosen experts read in place where `indexes_experts` (only a
+        compile fuses that pass); else the eager-only sparse pass if `sparse_moe`, or `fixed`
+        ("dense" or "aligned"), and every expert on every token where that costs less
+        (`dense_moe_is_cheaper`)."""
+        if not sparse_moe and torch.compiler.is_compiling() and self.indexes_experts(tokens):
+            return "indexed"
+        moe = "sparse" if sparse_moe else fixed
+        if moe != "dense" and self.dense_moe_is_cheaper(tokens, moe):
+            moe = "dense"
+        return moe
 
     def _rope(self, positions: Tensor) -> tuple[Tensor, Tensor]:
         return rope_cos_sin(positions, self.inv_freq, self.rope_amplitude)
@@ -301,10 +325,10 @@ class KimiForCausalLM(nn.Module):
         When `cache_rows_out` is a list, each layer's latent cache rows `[B, T, R + P]` are
         appended to it (the prefill stores them in the paged cache). `sparse_moe` sends each
         token through its chosen experts only (eager) unless every expert on every token costs
-        less (`dense_moe_is_cheaper`), else every expert runs on every token.
+        less (`dense_moe_is_cheaper`), else every expert runs on every token (`expert_pass`).
         """
         B, T = input_ids.shape
-        moe = "dense" if not sparse_moe or self.dense_moe_is_cheaper(B * T, "sparse") else "sparse"
+        moe = self.expert_pass(B * T, sparse_moe, "dense")
         pos = torch.arange(T, device=input_ids.device).expand(B, T)
         cos, sin = self._rope(pos)
 
@@ -339,13 +363,12 @@ class KimiForCausalLM(nn.Module):
         `sparse_moe` allows the eager-only expert dispatch (data-dependent shapes); else the
         fixed-shape one over aligned blocks runs; either way every expert on every row when
         that dense pass is cheaper for this many rows of this rank's float bank
-        (`ops.moe.dense_is_cheaper`; a quantized bank would dequantize whole). `prefix` a
+        (`ops.moe.dense_is_cheaper`; a quantized bank would dequantize whole), and compiled on
+        a CPU the chosen experts read in place (`expert_pass`). `prefix` a
         planned prefix-attention kernel (one plan serves every layer). `logits=False` returns
         no logits and stops after the last aux layer (the features alone).
         """
-        moe = "sparse" if sparse_moe else "aligned"
-        if self.dense_moe_is_cheaper(tokens.numel(), moe):
-            moe = "dense"
+        moe = self.expert_pass(tokens.numel(), sparse_moe, "aligned")
         cos, sin = self._rope(positions)
         heads = self.model.layers[0].self_attn.num_heads
         bias = joint_bias(slots, ctx_len, visible, heads) if prefix is None else None

@@ -35,6 +35,7 @@ from ops.moe import (
     dequant_experts_fp8,
     dequant_experts_int4,
     experts_dense,
+    experts_indexed,
     experts_sparse,
     experts_sparse_by,
     pick_experts,
@@ -347,7 +348,12 @@ class ExpertBank(nn.Module):
         expert on every token (fixed shapes, cheap for a small bank; a quantized bank is
         dequantized whole); "aligned" runs only the chosen experts at fixed shapes
         (`ops.moe.moe_align_block_size`; Triton on CUDA), a quantized bank dequantizing only
-        those."""
+        those; "indexed" runs only the chosen experts at fixed shapes with their weights read in
+        place (`ops.moe.experts_indexed`: a plain bank, compiled by inductor)."""
+        if mode == "indexed":
+            if self.fmt is not None:
+                raise ValueError(f"the indexed expert pass reads plain weights, not {self.fmt}")
+            return experts_indexed(x, idx, w, self.w13, self.w2)
         if mode == "sparse" and self.fmt is None:
             return experts_sparse(x, idx, w, self.w13, self.w2)
         if mode == "sparse":
