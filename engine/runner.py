@@ -365,14 +365,14 @@ class StepGraphRunner:
         """Whether a prefill of `tokens` runs compiled: a lone prompt (a batch of them shares
         one eager forward's launches) short enough for the compiled forward's expert pass, in a
         compiled single process (one graph serves every length: `engine.spec.prefill`). That
-        pass reads the chosen experts in place (`KimiForCausalLM.indexes_experts`) where the
-        bank allows, else runs every expert (`dense_moe_is_cheaper`): a length past the
-        indexed pass's bound would compile a second graph."""
+        pass reads the chosen experts in place up to `KimiForCausalLM.indexed_max_tokens` where
+        the bank allows (a longer prompt would compile a second graph), else runs every expert
+        (`dense_moe_is_cheaper`)."""
         if not (self.compile and self.models.tp is None and len(tokens) == 1):
             return False
         target, n = self.models.target, max(len(tokens[0]), 2)
-        return (target.indexes_experts(n) if target.indexes_experts(2)
-                else target.dense_moe_is_cheaper(n, "aligned"))
+        most = target.indexed_max_tokens()
+        return n <= most if most is not None else target.dense_moe_is_cheaper(n, "aligned")
 
     @staticmethod
     def _first(logits: Tensor, p: SamplingParams, coin: float) -> int:

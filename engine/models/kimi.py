@@ -290,22 +290,25 @@ class KimiForCausalLM(nn.Module):
         return bank is None or bank.fmt is None and dense_is_cheaper(
             tokens, bank.num_experts, bank.hidden, bank.inter, instead_of)
 
-    def indexes_experts(self, tokens: int) -> bool:
-        """Whether a forward over `tokens` tokens that inductor compiles reads only the chosen
-        experts, in place (`ops.moe.experts_indexed`): a float bank on the CPU, up to
-        `ops.moe.INDEXED_MAX_PAIRS` (token, expert) pairs."""
+    def indexed_max_tokens(self) -> int | None:
+        """The most tokens a forward that inductor compiles sends through the chosen experts
+        read in place (`ops.moe.experts_indexed`): `ops.moe.INDEXED_MAX_PAIRS` (token, expert)
+        pairs of a float bank on the CPU; None where that pass never runs."""
         bank = self._expert_bank()
-        return (bank is not None and bank.fmt is None and bank.w13.device.type == "cpu"
-                and tokens * self.cfg.num_experts_per_tok <= INDEXED_MAX_PAIRS)
+        if bank is None or bank.fmt is not None or bank.w13.device.type != "cpu":
+            return None
+        return INDEXED_MAX_PAIRS // self.cfg.num_experts_per_tok
 
     def expert_pass(self, tokens: int, sparse_moe: bool, fixed: str) -> str:
         """How the expert banks dispatch `tokens` tokens (`ExpertBank.forward`'s mode): inside
-        an inductor compile, the chosen experts read in place where `indexes_experts` (only a
-        compile fuses that pass); else the eager-only sparse pass if `sparse_moe`, or `fixed`
+        an inductor compile, the chosen experts read in place up to `indexed_max_tokens` (only
+        a compile fuses that pass); else the eager-only sparse pass if `sparse_moe`, or `fixed`
         ("dense" or "aligned"), and every expert on every token where that costs less
         (`dense_moe_is_cheaper`)."""
-        if not sparse_moe and torch.compiler.is_compiling() and self.indexes_experts(tokens):
-            return "indexed"
+        if not sparse_moe and torch.compiler.is_compiling():
+            most = self.indexed_max_tokens()
+            if most is not None and tokens <= most:
+                return "indexed"
         moe = "sparse" if sparse_moe else fixed
         if moe != "dense" and self.dense_moe_is_cheaper(tokens, moe):
             moe = "dense"
