@@ -213,7 +213,6 @@ def test_expert_pass_indexes_a_float_bank_only_inside_a_compile(pair, monkeypatc
     """Eager forwards keep the sparse / dense / aligned choice; inside a compile on the CPU a
     float bank's chosen experts are read in place, up to INDEXED_MAX_PAIRS pairs; a quantized
     bank never is (it would dequantize every pair's expert)."""
-    from engine.models.kimi import MoE
     from ops.moe import INDEXED_MAX_PAIRS
 
     _, model, _ = pair
@@ -227,8 +226,7 @@ def test_expert_pass_indexes_a_float_bank_only_inside_a_compile(pair, monkeypatc
         assert model.expert_pass(5, False, fixed) == "indexed"
         assert model.expert_pass(INDEXED_MAX_PAIRS // k, False, fixed) == "indexed"
         assert model.expert_pass(INDEXED_MAX_PAIRS // k + 1, False, fixed) != "indexed"
-    bank = next(b.mlp.experts for b in model.model.layers if isinstance(b.mlp, MoE))
-    monkeypatch.setattr(bank, "fmt", "int4")
+    monkeypatch.setattr(model._expert_bank(), "fmt", "int4")
     assert model.expert_pass(5, False, "aligned") == "aligned"
 
 
