@@ -568,6 +568,46 @@ def test_engine_survives_a_failing_step(offline_llm: LLM, monkeypatch: pytest.Mo
     assert sched.alloc.num_free == free0 and not sched.has_work
 
 
+def test_engine_thread_hands_out_tokens_per_step_or_whole(offline_llm: LLM) -> None:
+    """The step thread runs the requests it is handed back to back; a streamed request gets its
+    tokens as steps make them, a whole answer one item with all of them, both the offline
+    engine's tokens; an abort between steps ends a request there and frees its pages."""
+    sp = SamplingParams(max_new_tokens=12)
+    prompt = _ids(9, 6)
+    want = offline_llm.generate([prompt], sp)[0].token_ids
+    sched = offline_llm.scheduler
+    free0 = sched.alloc.num_free
+
+    async def collect(h: Handle) -> list[tuple[Any, ...]]:
+        items = []
+        while not items or (items[-1][0] == "tokens" and items[-1][2] is None):
+            items.append(await asyncio.wait_for(h.queue.get(), timeout=60))
+        return items
+
+    async def run() -> tuple[list[Any], list[Any], list[Any]]:
+        engine = Engine(offline_llm)
+        async with engine.running():
+            hs = [Handle(offline_llm.make_request(prompt, sp), stream=s) for s in (True, False)]
+            for h in hs:
+                engine.submit(h)
+            streamed, whole = await asyncio.gather(*map(collect, hs))
+            long = Handle(offline_llm.make_request(prompt, SamplingParams(max_new_tokens=240)))
+            engine.submit(long)
+            first = await asyncio.wait_for(long.queue.get(), timeout=60)
+            engine.post("abort", long)
+            while engine.snapshot["running"] or engine._todo:
+                await asyncio.sleep(0.01)
+            rest = [long.queue.get_nowait() for _ in range(long.queue.qsize())]
+            return streamed, whole, [first, *rest]
+
+    streamed, whole, aborted = asyncio.run(run())
+    assert len(streamed) > 1 and [t for i in streamed for t in i[1]] == want
+    assert len(whole) == 1 and whole[0][1] == want and whole[0][2] == "length"
+    assert all(i[0] == "tokens" and i[2] is None for i in aborted)  # it never finished
+    assert sum(len(i[1]) for i in aborted) < 240
+    assert sched.alloc.num_free == free0 and not sched.has_work
+
+
 # ---- tools and template kwargs -----------------------------------------------------------------
 
 

@@ -82,7 +82,7 @@ class Server:
             raise api.error(503, f"the server is busy: {self.waiting} requests are already "
                                  f"waiting (--max-queue {self.max_queue}); retry later", None,
                             "queue_full", "server_error", headers={"Retry-After": "1"})
-        h = Handle(self.llm.make_request(ids, params))
+        h = Handle(self.llm.make_request(ids, params), stream=body.stream)
         try:
             self.engine.submit(h)
         except RequestRejected as e:
