@@ -595,7 +595,7 @@ def test_engine_thread_hands_out_tokens_per_step_or_whole(offline_llm: LLM) -> N
             engine.submit(long)
             first = await asyncio.wait_for(long.queue.get(), timeout=60)
             engine.post("abort", long)
-            while engine.snapshot["running"] or engine._todo:
+            while engine.snapshot["running"]:  # until the abort is applied
                 await asyncio.sleep(0.01)
             rest = [long.queue.get_nowait() for _ in range(long.queue.qsize())]
             return streamed, whole, [first, *rest]
