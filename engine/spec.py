@@ -366,13 +366,21 @@ def commit(models: Models, pool: KVPool, buf: StepBuffers, dec: Decision, aux: T
 
 
 def prefill_forward(target: KimiForCausalLM, ids: Tensor, last: Tensor, aux_layers: Sequence[int],
-                    sparse_moe: bool) -> tuple[Tensor, Tensor | None, Tensor]:
-    """The prefill's forward over `ids [B, T]`: the logits at `last [B, 1]` (`[B, V]`), the aux
-    features `[B, T, n * H]` and every layer's cache rows `[layers, B, T, R + P]`."""
+                    sparse_moe: bool, drafter: DFlashDrafter | None = None
+                    ) -> tuple[Tensor, Tensor | None, Tensor]:
+    """The prefill's forward over `ids [B, T]` (at positions `0 ..`): the logits at `last [B, 1]`
+    (`[B, V]`), the drafter's context rows of every position `[draft_layers, B, T, kv_dim]`
+    (None without a drafter) and every layer's cache rows `[layers, B, T, R + P]`."""
     rows: list[Tensor] = []
     logits, aux = target(ids, aux_layers, sparse_moe=sparse_moe, logits_rows=last,
                          cache_rows_out=rows)
-    return logits[:, 0], aux, torch.stack(rows)
+    # NOTE: the drafter's context rows are made here, so a compiled prefill makes them in its
+    # graph too (eagerly, after the graph, they were some forty small ops of their own).
+    ctx = None
+    if drafter is not None and aux is not None:
+        pos = torch.arange(ids.shape[1], device=ids.device).expand(ids.shape[0], -1)
+        ctx = drafter.context_kv(aux, pos)
+    return logits[:, 0], ctx, torch.stack(rows)
 
 
 @torch.no_grad()
@@ -393,20 +401,22 @@ def prefill(models: Models, pool: KVPool, ctxs: Sequence[Sequence[int]],
     ids = torch.tensor([list(c) + [0] * (T - len(c)) for c in ctxs], device=dev)
     last = torch.tensor(lens, device=dev)[:, None] - 1
     if forward is None:
-        logits, aux, rows = prefill_forward(models.target, ids, last, models.aux_layers, True)
+        logits, ctx, rows = prefill_forward(models.target, ids, last, models.aux_layers, True,
+                                            models.drafter)
     else:
         import torch._dynamo as dynamo
 
         dynamo.mark_dynamic(ids, 1)
-        logits, aux, rows = forward(models.target, ids, last, models.aux_layers, False)
+        logits, ctx, rows = forward(models.target, ids, last, models.aux_layers, False,
+                                    models.drafter)
     pos = torch.arange(T, device=dev).expand(B, T)
     real = pos < torch.tensor(lens, device=dev)[:, None]  # [B, T]
     width = max(map(len, pages))
     pt = torch.tensor([list(p) + [DUMMY_PAGE] * (width - len(p)) for p in pages], device=dev)
     slots = slot_of(pt, pos, pool.page_size)[real]
     pool.target[:, slots] = rows[:, real].to(pool.target.dtype)
-    if models.drafter is not None:
-        feed_drafter(models.drafter, pool, aux[real], pos[real], slots)
+    if ctx is not None:
+        pool.draft[:, slots] = ctx[:, real].to(pool.draft.dtype)
     return logits
 
 

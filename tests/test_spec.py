@@ -156,6 +156,15 @@ def test_a_batched_prefill_writes_what_each_prefill_alone_writes(pair):
     for batched, single in zip(rows, (pool.target, pool.draft)):
         assert (batched - single).abs().max().item() < 1e-4
         assert batched[:, :ps].abs().max().item() == 0  # the dummy page stays untouched
+    # each position's drafter rows are the drafter's context rows of the target's own features
+    models = llm.models
+    for p, pg in zip(prompts, pages):
+        with torch.no_grad():
+            _, aux = models.target(torch.tensor([p]), models.aux_layers)
+            want = models.drafter.context_kv(aux[0], torch.arange(len(p)))
+        slots = torch.tensor(pg)[:, None] * ps + torch.arange(ps)
+        got = pool.draft[:, slots.reshape(-1)[:len(p)]]
+        assert (got - want).abs().max().item() < 1e-4
 
 def _exact_first3(target_dir, prompt, T, k, p):
     """Exact distribution of the first three sampled tokens by enumeration."""
