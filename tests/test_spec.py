@@ -10,6 +10,7 @@ from scipy import stats
 
 import engine.spec as spec
 from engine import LLM, SamplingParams
+from ops.paged import table_slots
 from tests.spec_helpers import TARGETS, make_pair, sampling_oracle, use_oracle
 
 PROMPT_LENS = [1, 200, 7, 64, 33, 120]
@@ -162,9 +163,9 @@ def test_a_batched_prefill_writes_what_each_prefill_alone_writes(pair):
         with torch.no_grad():
             _, aux = models.target(torch.tensor([p]), models.aux_layers)
             want = models.drafter.context_kv(aux[0], torch.arange(len(p)))
-        slots = torch.tensor(pg)[:, None] * ps + torch.arange(ps)
-        got = pool.draft[:, slots.reshape(-1)[:len(p)]]
+        got = pool.draft[:, table_slots(torch.tensor([pg]), ps)[0, :len(p)]]
         assert (got - want).abs().max().item() < 1e-4
+
 
 def _exact_first3(target_dir, prompt, T, k, p):
     """Exact distribution of the first three sampled tokens by enumeration."""
