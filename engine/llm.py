@@ -126,7 +126,8 @@ class LLM:
     graphs to the caller, `runner.capture()` from the thread that will run the steps: a compiled
     step's kernels keep the torch threads they were compiled with (followers still capture).
     `threads`: the torch threads that thread runs with, when not this one's; on the CPU they
-    choose the shipped budget table (`engine.policy.default_policy`)."""
+    choose the shipped budget table (`engine.policy.default_policy`), and compiled steps over
+    more token rows than a few run on all of them (`StepGraphRunner.step_threads`)."""
 
     def __init__(self, model: str | Path | None = None, draft: str | Path | None = None,
                  *, progress: bool = True, config: EngineConfig | None = None,
@@ -170,7 +171,7 @@ class LLM:
                                       max_batch_size=cfg.max_batch_size, max_pages=max_pages,
                                       capture_sizes=cfg.capture_sizes,
                                       use_graphs=cfg.use_graphs, timer=self.timer,
-                                      budgets=budgets, compile=compiled)
+                                      budgets=budgets, compile=compiled, threads=threads)
         self._attach_attention(max_pages)
         if warm_up or not self.is_leader:
             self.runner.capture(progress=progress)

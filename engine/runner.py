@@ -53,6 +53,13 @@ Planner = Callable[[Tensor, Tensor, int], None]
 # costs a forward over the lag, more than a sampled tree wins back (1.1x where it is chosen).
 # Kinds whose shapes agree share one graph.
 KINDS = ("greedy", "mixed", "sampled", "lagging")
+# A compiled CPU step over at most this many token rows (batch size x tree nodes) is compiled for,
+# and runs on, one torch thread; a larger one gets every thread the runner has. A small step's ops
+# are too small to share: the matmul library's threads and inductor's parallel loops mostly wait
+# for each other. Bundled pair, 2 cores, each engine compiled at both counts, interleaved in one
+# process, one thread against two: one row, AR (1 token row) 1.16x faster, the budget-4 tree (5)
+# 1.35x; four rows, AR (4) 1.07x faster, the budget-4 tree (20) 0.86x.
+ONE_THREAD_ROWS = 8
 log = logging.getLogger("engine.runner")
 
 
@@ -127,14 +134,16 @@ class StepGraphRunner:
     `budgets` (optional, tree mode) is a budget policy `{sampling: {batch size: tree budget}}`
     (see `engine.policy`), spread over the capture sizes; without one every step uses
     `shape.budget`. Every graph of one (size, sampling) has one budget, so its shapes stay fixed;
-    one set of buffers per size serves both (`StepBuffers.fit`).
+    one set of buffers per size serves both (`StepBuffers.fit`). `threads`: the torch threads of
+    the thread that runs the steps (default: this one's); a compiled step takes `step_threads`
+    of them.
     """
 
     def __init__(
         self, models: Models, pool: KVPool, shape: StepShape, *, max_batch_size: int,
         max_pages: int, capture_sizes: Sequence[int] | None = None, use_graphs: bool | None = None,
         timer: PhaseTimer | None = None, budgets: Mapping[bool, Mapping[int, int]] | None = None,
-        planner: Planner | None = None, compile: bool = False,
+        planner: Planner | None = None, compile: bool = False, threads: int | None = None,
     ):
         self.models, self.pool = models, pool
         self.max_pages = max_pages
@@ -150,6 +159,7 @@ class StepGraphRunner:
         if compile and self.use_graphs:
             raise ValueError("compile is the CPU's step graph; on CUDA the runner captures graphs")
         self.compile = compile
+        self.threads = threads or torch.get_num_threads()
         if compile:
             _keep_inductor_cache()
         self.compiled: set[tuple[int, StepShape]] = set()  # the (size, shape)s compiled so far
@@ -211,6 +221,11 @@ class StepGraphRunner:
         if 2 * sampled > len(params):
             return "lagging" if lagging else "sampled"
         return "mixed"
+
+    def step_threads(self, bs: int, shape: StepShape) -> int:
+        """The torch threads a step of `shape` at batch size `bs` runs on (its compiled kernels
+        are built for that count): one for small compiled steps (`ONE_THREAD_ROWS`), else all."""
+        return 1 if self.compile and bs * shape.num_nodes <= ONE_THREAD_ROWS else self.threads
 
     def padded_size(self, b: int) -> int:
         for s in self.capture_sizes:
@@ -310,14 +325,15 @@ class StepGraphRunner:
         bar = tqdm(total=len(todo) + lone_prefill, desc="compiling steps", disable=not progress)
         for bs, shape in todo:
             t0 = time.perf_counter()
-            with _compiling(f"the {shape.mode} step at batch size {bs}"):
+            with (_compiling(f"the {shape.mode} step at batch size {bs}"),
+                  torch_threads(self.step_threads(bs, shape))):
                 buf = self.buffers[bs].fit(shape)
                 _pad(buf.inputs(), 0)
                 self._run_compiled(buf, shape, min(8, self.max_pages))
             self.capture_stats[(bs, shape)] = {"seconds": time.perf_counter() - t0, "bytes": 0}
             bar.update()
         if lone_prefill:  # two tokens, on the dummy page
-            with _compiling("a prompt's prefill"):
+            with _compiling("a prompt's prefill"), torch_threads(self.threads):
                 prefill(self.models, self.pool, [[0, 0]], [[DUMMY_PAGE]], _compiled_prefill())
             bar.update()
         bar.close()
@@ -356,8 +372,9 @@ class StepGraphRunner:
         """Fill the caches of each input's `pages` with its `tokens`, all in one forward; for
         each with `params`, the first new token (drawn with its `coin` unless greedy)."""
         tokens, pages = [i.tokens for i in inps], [i.pages for i in inps]
-        logits = prefill(self.models, self.pool, tokens, pages,
-                         _compiled_prefill() if self.compiles_prefill(tokens) else None)
+        with torch_threads(self.threads):
+            logits = prefill(self.models, self.pool, tokens, pages,
+                             _compiled_prefill() if self.compiles_prefill(tokens) else None)
         return [None if inp.params is None else self._first(row, inp.params, inp.coin)
                 for row, inp in zip(logits, inps)]
 
@@ -452,7 +469,7 @@ class StepGraphRunner:
             with self.timer("step"):
                 self.graphs[(bs, shape)].replay()
         elif self.compile:
-            with self.timer("step"):
+            with self.timer("step"), torch_threads(self.step_threads(bs, shape)):
                 self._run_compiled(buf, shape, width)
         else:
             view = replace(buf, page_table=buf.page_table[:, :width])
@@ -513,6 +530,21 @@ def _compiled_step() -> Callable[..., None]:
     buffers' shapes and the step shape (a constant). Run under `no_grad`: inference tensors
     cannot be traced."""
     return torch.compile(inspect.unwrap(spec_step), fullgraph=True)
+
+
+@contextmanager
+def torch_threads(n: int) -> Iterator[None]:
+    """This thread's torch threads set to `n` inside, restored after (a switch costs about
+    0.1 us; the thread team stays)."""
+    was = torch.get_num_threads()
+    if was == n:
+        yield
+        return
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(was)
 
 
 @contextmanager

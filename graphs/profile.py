@@ -21,7 +21,8 @@ adds the all-reduce share of the eager step.
 0 (plain decoding through the same step) included, and writes the budget policy
 (`engine.policy`) that maximizes tokens per second at each batch size, greedy and sampled (at
 `--tune-temperature`); with `--compile on`, the compiled step's policy; on the CPU, the policy of
-its thread count (`configs/budgets-cpu-compiled-t2.toml` with `--threads 2`).
+its thread count (`configs/budgets-cpu-compiled-t2.toml` with `--threads 2`; its compiled steps
+over a few token rows run on one thread, as the engine's do: `engine.runner.ONE_THREAD_ROWS`).
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ from engine.kv_cache import pages_needed
 from engine.llm import compiles, load_models, model_pair, resolve_device
 from engine.policy import policy_path, write_tuned
 from engine.request import Request
-from engine.runner import CaptureError, PhaseTimer, StepGraphRunner
+from engine.runner import ONE_THREAD_ROWS, CaptureError, PhaseTimer, StepGraphRunner
 from engine.scheduler import Scheduler, next_shape, run_step
 from engine.spec import StepShape
 from graphs.telemetry import Telemetry
@@ -442,11 +443,13 @@ def _profile(a: argparse.Namespace, bench: Bench, device: torch.device, dtype: t
         result["tp"] = bench.models.tp.world
     if a.tune:
         compiled = graphs and device.type == "cpu"
-        where = a.policy_out or policy_path(device.type, compiled, torch.get_num_threads())
+        n = torch.get_num_threads()
+        where = a.policy_out or policy_path(device.type, compiled, n)
+        threads = f"{n} threads" + (f" (one for steps of <= {ONE_THREAD_ROWS} token rows)"
+                                    if compiled and n > 1 else "")
         result.update(write_tuned(where, tuned, note=(
             f"model {bench.model_dir.name}, drafter {bench.draft_dir and bench.draft_dir.name}, "
-            f"{device} {dtype}, "
-            f"{torch.get_num_threads()} threads, {_step_kind(device, graphs)} step time, "
+            f"{device} {dtype}, {threads}, {_step_kind(device, graphs)} step time, "
             f"prompts of <= {a.prompt_len} tokens, {a.tune_tokens} new tokens each, "
             f"sampled at T = {a.tune_temperature}")))
     out = Path(a.output)

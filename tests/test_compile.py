@@ -14,7 +14,7 @@ from torch._dynamo.utils import counters
 
 from engine.config import EngineConfig, SamplingParams
 from engine.llm import compile_auto, compiles
-from engine.runner import PrefillInputs, StepInputs
+from engine.runner import ONE_THREAD_ROWS, PrefillInputs, StepInputs
 from engine.spec import StepShape
 from ops.moe import INDEXED_MAX_PAIRS
 from tests.graph_helpers import (
@@ -149,6 +149,42 @@ def test_warm_up_covers_the_common_batches(models, monkeypatch):
     warmed.clear()
     runner.capture(progress=False, lagging=True)
     assert (1, plain) in warmed and set(warmed) > loaded
+
+
+def test_small_compiled_steps_run_on_one_thread(models, monkeypatch):
+    """A compiled step over at most `ONE_THREAD_ROWS` token rows (batch size x tree nodes)
+    compiles and runs on one torch thread, a larger one on every thread the runner has, a prefill
+    too; each gives the caller back its own count. An eager runner keeps its threads."""
+    shape, small = StepShape("tree", 6, BLOCK, False), ONE_THREAD_ROWS
+    # one row drafts 7 nodes and samples plainly; two draft 14; 2 x small rows decode plainly
+    budgets = {False: {1: 6, 2: 6, 2 * small: 0}, True: {1: 0, 2: 0, 2 * small: 0}}
+    assert 7 <= small < 14
+    runner = runner_for(models, make_pool(models), shape, [1, 2, 2 * small], compile=True,
+                        threads=3, budgets=budgets)
+    seen: list[tuple[object, int]] = []
+    monkeypatch.setattr(runner, "_run_compiled", lambda buf, s, width: seen.append(
+        (buf.anchor.shape[0] * s.num_nodes, torch.get_num_threads())))
+
+    def fake_prefill(models, pool, ctxs, *rest):
+        seen.append(("prefill", torch.get_num_threads()))
+        return [None] * len(ctxs)
+
+    monkeypatch.setattr("engine.runner.prefill", fake_prefill)
+    mine = torch.get_num_threads()
+    runner.capture(progress=False)
+    assert set(seen) == {(7, 1), (1, 1), (14, 3), (2, 1), (2 * small, 3), ("prefill", 3)}
+    assert torch.get_num_threads() == mine
+    seen.clear()
+    greedy, hot = SamplingParams(), SamplingParams(temperature=0.7)
+    for b, p in ((1, greedy), (1, hot), (2, greedy), (small + 1, hot)):
+        inp = StepInputs(anchor=[1] * b, cache_len=[4] * b, pages=[[1, 2]] * b, params=[p] * b,
+                         coins=[[0.0] * runner.coins_per_row(b)] * b)
+        runner.run_loaded(*runner.load(inp))
+    runner.prefill([PrefillInputs([5, 9], [1], None)])
+    assert seen == [(7, 1), (1, 1), (14, 3), (2 * small, 3), ("prefill", 3)]
+    assert torch.get_num_threads() == mine
+    eager = runner_for(models, make_pool(models), shape, [1], threads=3)
+    assert eager.step_threads(1, StepShape("ar", 0, BLOCK, False)) == 3
 
 
 def test_compile_auto_is_settled_per_use(monkeypatch):
