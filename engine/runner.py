@@ -19,7 +19,7 @@ import os
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -372,7 +372,7 @@ class StepGraphRunner:
         """Fill the caches of each input's `pages` with its `tokens`, all in one forward; for
         each with `params`, the first new token (drawn with its `coin` unless greedy)."""
         tokens, pages = [i.tokens for i in inps], [i.pages for i in inps]
-        with torch_threads(self.threads):
+        with torch_threads(self.threads) if self.compile else nullcontext():
             logits = prefill(self.models, self.pool, tokens, pages,
                              _compiled_prefill() if self.compiles_prefill(tokens) else None)
         return [None if inp.params is None else self._first(row, inp.params, inp.coin)
