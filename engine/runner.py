@@ -325,8 +325,7 @@ class StepGraphRunner:
         bar = tqdm(total=len(todo) + lone_prefill, desc="compiling steps", disable=not progress)
         for bs, shape in todo:
             t0 = time.perf_counter()
-            with (_compiling(f"the {shape.mode} step at batch size {bs}"),
-                  torch_threads(self.step_threads(bs, shape))):
+            with _compiling(f"the {shape.mode} step at batch size {bs}"):
                 buf = self.buffers[bs].fit(shape)
                 _pad(buf.inputs(), 0)
                 self._run_compiled(buf, shape, min(8, self.max_pages))
@@ -340,7 +339,8 @@ class StepGraphRunner:
 
     def _run_compiled(self, buf: StepBuffers, shape: StepShape, width: int) -> None:
         """The compiled step over `buf` (every row) with a page table `width` pages wide: one
-        graph per (size, shape), its width symbolic (one compile serves every context length)."""
+        graph per (size, shape), its width symbolic (one compile serves every context length),
+        compiled for and run on `step_threads` torch threads."""
         import torch._dynamo
 
         key = (buf.anchor.shape[0], shape)
@@ -361,7 +361,7 @@ class StepGraphRunner:
         # NOTE: a contiguous table, so the full width is no other graph than a slice of it
         view = replace(buf, page_table=buf.page_table[:, :width].contiguous())
         torch._dynamo.mark_dynamic(view.page_table, 1)
-        with torch.no_grad(), patch:
+        with torch.no_grad(), patch, torch_threads(self.step_threads(*key)):
             _compiled_step()(self.models, self.pool, view, shape)
         self.compiled.add(key)
 
@@ -469,7 +469,7 @@ class StepGraphRunner:
             with self.timer("step"):
                 self.graphs[(bs, shape)].replay()
         elif self.compile:
-            with self.timer("step"), torch_threads(self.step_threads(bs, shape)):
+            with self.timer("step"):
                 self._run_compiled(buf, shape, width)
         else:
             view = replace(buf, page_table=buf.page_table[:, :width])

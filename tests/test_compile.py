@@ -162,8 +162,8 @@ def test_small_compiled_steps_run_on_one_thread(models, monkeypatch):
     runner = runner_for(models, make_pool(models), shape, [1, 2, 2 * small], compile=True,
                         threads=3, budgets=budgets)
     seen: list[tuple[object, int]] = []
-    monkeypatch.setattr(runner, "_run_compiled", lambda buf, s, width: seen.append(
-        (buf.anchor.shape[0] * s.num_nodes, torch.get_num_threads())))
+    monkeypatch.setattr("engine.runner._compiled_step", lambda: lambda models, pool, buf, s: (
+        seen.append((buf.anchor.shape[0] * s.num_nodes, torch.get_num_threads()))))
 
     def fake_prefill(models, pool, ctxs, *rest):
         seen.append(("prefill", torch.get_num_threads()))
