@@ -41,6 +41,7 @@ from bench.common import (
 )
 from engine.config import SamplingParams
 from engine.llm import LLM, model_pair
+from engine.runner import torch_threads
 
 # A compiled step is timed whole ("step"); an eager one by phase.
 PHASES = ("draft", "build", "verify", "decide", "commit", "step", "host", "prefill+sched")
@@ -190,13 +191,8 @@ def main(argv: list[str] | None = None) -> None:
     a = ap.parse_args(argv)
     if a.threads < 0:
         ap.error(f"--threads must be >= 0, got {a.threads}")
-    threads = torch.get_num_threads()
-    if a.threads:
-        torch.set_num_threads(a.threads)
-    try:
+    with torch_threads(a.threads or torch.get_num_threads()):
         _bench(a)
-    finally:
-        torch.set_num_threads(threads)
 
 
 def _bench(a: argparse.Namespace) -> None:
