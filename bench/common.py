@@ -7,7 +7,7 @@ import os
 import platform
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +22,30 @@ def round_order(items: list[Any], i: int) -> list[Any]:
     before: the run that goes first finds its own weights still in the CPU's caches)."""
     k = i % len(items) if items else 0
     return items[k:] + items[:k]
+
+
+def interleave(passes: list[Generator[None, None, Any]], grain: int) -> list[Any]:
+    """Run `passes` (generators that yield after each engine step and return their result) side
+    by side: `grain` steps of each in turn, in the given order, until every one has returned
+    (0: each whole, one after another). A shared machine's speed drifts by a tenth from one
+    second to the next; passes that take turns every few steps meet the same drift, so a ratio
+    of their speeds is about the engines, not about when each ran. Returns their results."""
+    if grain < 0:
+        raise ValueError(f"grain must be >= 0, got {grain}")
+    results: list[Any] = [None] * len(passes)
+    live = list(range(len(passes)))
+    while live:
+        for i in list(live):
+            n = 0
+            while not grain or n < grain:
+                try:
+                    next(passes[i])
+                except StopIteration as done:
+                    results[i] = done.value
+                    live.remove(i)
+                    break
+                n += 1
+    return results
 
 
 def paired_ratios(base: list[float], other: list[float]) -> list[float]:

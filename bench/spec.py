@@ -9,14 +9,15 @@ uncoupled perfect-drafter ceiling at that budget and temperature (`perfect_ceili
 on the same checkpoint, transformers' greedy `generate` and its prompt-lookup speculative decoding;
 then the default budget policy (`policy`: each step's budget from the shipped table, down to plain
 decoding) greedy and sampled, each against `ar` at the same temperature (`--policy-only` runs just
-those). `--compile` runs our engines' compiled step. Every engine is loaded once; then `--rounds`
-passes run all of them in turn, each pass's order rotated by one (`round_order`: a slow spell of a
-shared machine, or the warm caches of the run that went last, favours no run), and each reports its
-median pass. Prints tokens/s with the ratio to our `ar` (and its 90% bootstrap interval over the
-rounds: `bench.common.ratio_interval`), mean accepted length (tokens per step, bonus included) and
-time per phase; writes JSON and PNG plots under `runs/bench/`. `--random` uses a tiny random target
-and drafter instead (whose drafts are rarely accepted: the numbers then show the step's overhead,
-not a speed-up).
+those). `--compile` runs our engines' compiled step. Every engine is loaded once; then each of
+`--rounds` rounds runs one pass of each, our engines side by side, `--grain` steps each in turn
+(`bench.common.interleave`: a shared machine's speed drifts within seconds, and engines taking turns
+every few milliseconds meet the same drift), transformers' whole; each round's order is rotated by
+one (`round_order`), and each run reports its median pass. Prints tokens/s with the ratio to our
+`ar` (and its 90% bootstrap interval over the rounds: `bench.common.ratio_interval`), mean accepted
+length (tokens per step, bonus included) and time per phase; writes JSON and PNG plots under
+`runs/bench/`. `--random` uses a tiny random target and drafter instead (whose drafts are rarely
+accepted: the numbers then show the step's overhead, not a speed-up).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import argparse
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +35,7 @@ import torch
 from bench.common import (
     bench_prompts,
     environment,
+    interleave,
     ratio_interval,
     round_order,
     table,
@@ -43,11 +45,17 @@ from engine.config import SamplingParams
 from engine.llm import LLM, model_pair
 from engine.runner import torch_threads
 
+# Engine steps each of our runs takes in turn (`bench.common.interleave`). Bundled pair, batch 2,
+# one thread, compiled, 32 prompts, 5 rounds: T = 0.7, where both engines decode plainly, read
+# 1.00x AR (90% interval 1.00-1.02) at 8 steps, against 0.94x (0.80-1.04) run whole.
+GRAIN = 8
 # A compiled step is timed whole ("step"); an eager one by phase.
 PHASES = ("draft", "build", "verify", "decide", "commit", "step", "host", "prefill+sched")
 
 
-Runner = Callable[[], dict[str, Any]]
+# One timed pass over the prompts: a generator that yields after each engine step (the suspended
+# time is not its own) and returns the pass's result (`bench.common.interleave`).
+Runner = Callable[[], Generator[None, None, dict[str, Any]]]
 
 
 def ours(model: Path, draft: Path | None, mode: str, budget: int | None,
@@ -62,8 +70,8 @@ def ours(model: Path, draft: Path | None, mode: str, budget: int | None,
     if not params.greedy:
         name += f" T={params.temperature:g}"
 
-    def run() -> dict[str, Any]:
-        outs = llm.generate(prompts, params)
+    def run() -> Generator[None, None, dict[str, Any]]:
+        outs = yield from llm.generate_stepwise(prompts, params)
         s = llm.stats
         acc = [a for o in outs for a in o.accept_lengths]
         return {"mode": mode, "budget": budget if mode == "tree" else None, "name": name,
@@ -102,7 +110,8 @@ def theirs(model: Path, prompts: list[list[int]], new_tokens: int, lookup: int |
         hf.generate(torch.tensor([prompts[0]]), **{**kw, "max_new_tokens": 4,
                                                    "min_new_tokens": 4})
 
-    def run() -> dict[str, Any]:
+    def run() -> Generator[None, None, dict[str, Any]]:
+        yield from ()  # one pass, whole: transformers' generate is not split into steps
         outs = []
         with torch.inference_mode():
             t0 = time.perf_counter()
@@ -179,6 +188,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--rounds", type=int, default=3,
                     help="timed passes over the prompts, every run interleaved in each round; "
                          "each run reports its median round")
+    ap.add_argument("--grain", type=int, default=GRAIN,
+                    help="engine steps each of our runs takes in turn within a round, all of "
+                         "them side by side (transformers' runs go whole); 0: each run whole, one "
+                         "after another")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--compile", action="store_true",
                     help="our engines run the compiled step (--compile on; each compiles its "
@@ -189,6 +202,8 @@ def main(argv: list[str] | None = None) -> None:
                          "graphs.profile: the step's ops are small and a second thread mostly "
                          "waits; 0: torch's default)")
     a = ap.parse_args(argv)
+    if a.grain < 0:
+        ap.error(f"--grain must be >= 0, got {a.grain}")
     if a.threads < 0:
         ap.error(f"--threads must be >= 0, got {a.threads}")
     with torch_threads(a.threads or torch.get_num_threads()):
@@ -236,8 +251,9 @@ def _bench(a: argparse.Namespace) -> None:
                                 for lk in (None, a.lookup)) if r is not None]
     results: list[list[dict[str, Any]]] = [[] for _ in runners]
     for i in range(a.rounds):
-        for run, res in round_order(list(zip(runners, results)), i):
-            res.append(run())
+        order = round_order(list(zip(runners, results)), i)
+        for (_, res), out in zip(order, interleave([run() for run, _ in order], a.grain)):
+            res.append(out)
         print(f"  round {i + 1}/{a.rounds}: " + ", ".join(
             f"{res[-1]['name']} {res[-1]['tokens_per_s']:.0f}" for res in results), flush=True)
     rows = [median_round(res) for res in results]

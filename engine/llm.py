@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import shutil
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -274,11 +274,29 @@ class LLM:
         (in finishing order). Under tensor parallelism every rank calls this: rank 0 (the
         leader) runs the requests; the others run rank 0's model calls until it is done and
         return an empty list (their `prompts` are ignored)."""
-        from tqdm import tqdm
-
         if not self.is_leader:
             self.follow()
             return []
+        steps = self.generate_stepwise(prompts, params, progress, on_output)
+        while True:
+            try:
+                next(steps)
+            except StopIteration as done:
+                return done.value
+
+    def generate_stepwise(self, prompts: Sequence[Prompt],
+                          params: SamplingParams | Sequence[SamplingParams] | None = None,
+                          progress: bool = False,
+                          on_output: Callable[[GenerationOutput], None] | None = None
+                          ) -> Generator[None, None, list[GenerationOutput]]:
+        """`generate` one engine step at a time (a single process, or the leader): it yields
+        after each step and returns the outputs. The time it spends suspended is left out of
+        its stats, so a benchmark can interleave two engines step by step and time each on
+        the same machine at the same moment."""
+        from tqdm import tqdm
+
+        if not self.is_leader:
+            raise RuntimeError("generate_stepwise is the leader's; other ranks call generate")
         if params is None or isinstance(params, SamplingParams):
             params = [params or SamplingParams()] * len(prompts)
         if len(params) != len(prompts):
@@ -295,7 +313,7 @@ class LLM:
         self.timer.totals.clear()
         if self.tp is not None:
             self.tp.comm.reset()
-        t0 = time.perf_counter()
+        t0, suspended = time.perf_counter(), 0.0
         bar = tqdm(total=len(reqs), desc="generating", unit="prompt", disable=not progress)
         index = {r.rid: i for i, r in enumerate(reqs)}
         done: dict[int, GenerationOutput] = {}
@@ -309,10 +327,13 @@ class LLM:
                     o = done[e.req.rid] = self._output(index[e.req.rid], e.req)
                     if on_output is not None:
                         on_output(o)
+            t_yield = time.perf_counter()
+            yield
+            suspended += time.perf_counter() - t_yield
         bar.close()
         if self.tp is not None:
             self.tp.send(End())
-        elapsed = time.perf_counter() - t0
+        elapsed = time.perf_counter() - t0 - suspended
         outs = [done.get(r.rid) or self._output(i, r) for i, r in enumerate(reqs)]
         n_tok = sum(len(o.token_ids) for o in outs)
         acc = [a for r in reqs for a in r.accept_lengths]

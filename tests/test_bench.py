@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from bench import job, serve, spec
-from bench.common import cpu_name, environment, ratio_interval, round_order
+from bench.common import cpu_name, environment, interleave, ratio_interval, round_order
 
 
 def test_bench_spec_random_pair(tmp_path: Path) -> None:
@@ -138,3 +138,55 @@ def test_bench_job_pairs_the_cli_with_ar(tmp_path: Path) -> None:
         job.main(["--output", "x.jsonl"])
     with pytest.raises(ValueError, match="no summary line"):
         job.parse_summary("error: something else\n")
+
+
+def test_interleave_takes_turns_and_returns_each_result() -> None:
+    log: list[str] = []
+
+    def run(name: str, steps: int):
+        for k in range(steps):
+            log.append(f"{name}{k}")
+            yield
+        return name * 2
+
+    assert interleave([run("a", 3), run("b", 5)], 2) == ["aa", "bb"]
+    assert log == ["a0", "a1", "b0", "b1", "a2", "b2", "b3", "b4"]
+    log.clear()
+    assert interleave([run("a", 3), run("b", 2)], 0) == ["aa", "bb"]  # each whole, in turn
+    assert log == ["a0", "a1", "a2", "b0", "b1"]
+    with pytest.raises(ValueError, match="grain"):
+        interleave([run("a", 1)], -1)
+
+
+def test_stepwise_generation_leaves_out_its_suspended_time(tmp_path: Path, monkeypatch) -> None:
+    """`generate_stepwise` yields after each step, gives `generate`'s outputs, and its stats count
+    only the time it ran: a clock that jumps by 100 s while it is suspended leaves its seconds
+    under 100."""
+    import time
+
+    from engine import LLM, SamplingParams
+    from engine.tools.make_tiny import make_tiny
+
+    llm = LLM(make_tiny(tmp_path / "t", dtype="fp32", layers=2, hidden=128), mode="ar",
+              progress=False)
+    prompts, params = [[1, 2, 3], [4, 5]], SamplingParams(max_new_tokens=5, ignore_eos=True)
+    ref = [o.token_ids for o in llm.generate(prompts, params)]
+    now = [0.0]
+
+    def clock() -> float:
+        now[0] += 1e-3
+        return now[0]
+
+    monkeypatch.setattr(time, "perf_counter", clock)
+    steps, suspensions = llm.generate_stepwise(prompts, params), 0
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            outs = done.value
+            break
+        suspensions += 1
+        now[0] += 100.0
+    assert [o.token_ids for o in outs] == ref
+    assert suspensions >= 4 and now[0] > 100 * suspensions  # one token a step after the first
+    assert 0 < llm.stats["seconds"] < 100
