@@ -24,27 +24,29 @@ def round_order(items: list[Any], i: int) -> list[Any]:
     return items[k:] + items[:k]
 
 
-def interleave(passes: list[Generator[None, None, Any]], grain: int) -> list[Any]:
-    """Run `passes` (generators that yield after each engine step and return their result) side
-    by side: `grain` steps of each in turn, in the given order, until every one has returned
-    (0: each whole, one after another). A shared machine's speed drifts by a tenth from one
-    second to the next; passes that take turns every few steps meet the same drift, so a ratio
-    of their speeds is about the engines, not about when each ran. Returns their results."""
+def interleave(passes: list[Generator[int, None, Any]], grain: int) -> list[Any]:
+    """Run `passes` side by side: generators that yield the tokens each step of theirs added and
+    return their result. Each in turn, in the given order, runs steps until it has added at
+    least `grain` tokens, until every one has returned (0: each whole, one after another).
+    Passes over the same requests then keep pace token for token, however fast each step is,
+    and span the same stretch of time: a shared machine's speed drifts by a tenth from one
+    second to the next, and passes taking turns every few milliseconds meet the same drift, so
+    a ratio of their speeds is about the engines, not about when each ran. Returns their
+    results."""
     if grain < 0:
         raise ValueError(f"grain must be >= 0, got {grain}")
     results: list[Any] = [None] * len(passes)
     live = list(range(len(passes)))
     while live:
         for i in list(live):
-            n = 0
-            while not grain or n < grain:
+            added = 0
+            while not grain or added < grain:
                 try:
-                    next(passes[i])
+                    added += next(passes[i])
                 except StopIteration as done:
                     results[i] = done.value
                     live.remove(i)
                     break
-                n += 1
     return results
 
 

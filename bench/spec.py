@@ -10,7 +10,7 @@ on the same checkpoint, transformers' greedy `generate` and its prompt-lookup sp
 then the default budget policy (`policy`: each step's budget from the shipped table, down to plain
 decoding) greedy and sampled, each against `ar` at the same temperature (`--policy-only` runs just
 those). `--compile` runs our engines' compiled step. Every engine is loaded once; then each of
-`--rounds` rounds runs one pass of each, our engines side by side, `--grain` steps each in turn
+`--rounds` rounds runs one pass of each, our engines side by side, `--grain` tokens each in turn
 (`bench.common.interleave`: a shared machine's speed drifts within seconds, and engines taking turns
 every few milliseconds meet the same drift), transformers' whole; each round's order is rotated by
 one (`round_order`), and each run reports its median pass. Prints tokens/s with the ratio to our
@@ -45,17 +45,15 @@ from engine.config import SamplingParams
 from engine.llm import LLM, model_pair
 from engine.runner import torch_threads
 
-# Engine steps each of our runs takes in turn (`bench.common.interleave`). Bundled pair, batch 2,
-# one thread, compiled, 32 prompts, 5 rounds: T = 0.7, where both engines decode plainly, read
-# 1.00x AR (90% interval 1.00-1.02) at 8 steps, against 0.94x (0.80-1.04) run whole.
-GRAIN = 8
+# Tokens each of our runs adds in its turn (`bench.common.interleave`).
+GRAIN = 32
 # A compiled step is timed whole ("step"); an eager one by phase.
 PHASES = ("draft", "build", "verify", "decide", "commit", "step", "host", "prefill+sched")
 
 
-# One timed pass over the prompts: a generator that yields after each engine step (the suspended
-# time is not its own) and returns the pass's result (`bench.common.interleave`).
-Runner = Callable[[], Generator[None, None, dict[str, Any]]]
+# One timed pass over the prompts: a generator that yields the tokens each engine step added (the
+# time it is suspended is not its own) and returns the pass's result (`bench.common.interleave`).
+Runner = Callable[[], Generator[int, None, dict[str, Any]]]
 
 
 def ours(model: Path, draft: Path | None, mode: str, budget: int | None,
@@ -70,7 +68,7 @@ def ours(model: Path, draft: Path | None, mode: str, budget: int | None,
     if not params.greedy:
         name += f" T={params.temperature:g}"
 
-    def run() -> Generator[None, None, dict[str, Any]]:
+    def run() -> Generator[int, None, dict[str, Any]]:
         outs = yield from llm.generate_stepwise(prompts, params)
         s = llm.stats
         acc = [a for o in outs for a in o.accept_lengths]
@@ -110,7 +108,7 @@ def theirs(model: Path, prompts: list[list[int]], new_tokens: int, lookup: int |
         hf.generate(torch.tensor([prompts[0]]), **{**kw, "max_new_tokens": 4,
                                                    "min_new_tokens": 4})
 
-    def run() -> Generator[None, None, dict[str, Any]]:
+    def run() -> Generator[int, None, dict[str, Any]]:
         yield from ()  # one pass, whole: transformers' generate is not split into steps
         outs = []
         with torch.inference_mode():
@@ -189,8 +187,8 @@ def main(argv: list[str] | None = None) -> None:
                     help="timed passes over the prompts, every run interleaved in each round; "
                          "each run reports its median round")
     ap.add_argument("--grain", type=int, default=GRAIN,
-                    help="engine steps each of our runs takes in turn within a round, all of "
-                         "them side by side (transformers' runs go whole); 0: each run whole, one "
+                    help="tokens each of our runs adds in its turn within a round, all of them "
+                         "side by side (transformers' runs go whole); 0: each run whole, one "
                          "after another")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--compile", action="store_true",

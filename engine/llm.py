@@ -288,11 +288,12 @@ class LLM:
                           params: SamplingParams | Sequence[SamplingParams] | None = None,
                           progress: bool = False,
                           on_output: Callable[[GenerationOutput], None] | None = None
-                          ) -> Generator[None, None, list[GenerationOutput]]:
+                          ) -> Generator[int, None, list[GenerationOutput]]:
         """`generate` one engine step at a time (a single process, or the leader): it yields
-        after each step and returns the outputs. The time it spends suspended is left out of
-        its stats, so a benchmark can interleave two engines step by step and time each on
-        the same machine at the same moment."""
+        the tokens each step added and returns the outputs. The time it spends suspended is
+        left out of its stats, so a benchmark can interleave engines a few tokens each in turn
+        and time each on the same machine at the same moment. One at a time per engine: they
+        share its scheduler."""
         from tqdm import tqdm
 
         if not self.is_leader:
@@ -313,7 +314,7 @@ class LLM:
         self.timer.totals.clear()
         if self.tp is not None:
             self.tp.comm.reset()
-        t0, suspended = time.perf_counter(), 0.0
+        t0, suspended, added = time.perf_counter(), 0.0, 0
         bar = tqdm(total=len(reqs), desc="generating", unit="prompt", disable=not progress)
         index = {r.rid: i for i, r in enumerate(reqs)}
         done: dict[int, GenerationOutput] = {}
@@ -322,14 +323,16 @@ class LLM:
             events = self.scheduler.step()
             self.timer.totals["engine"] += time.perf_counter() - t_step
             for e in events:
+                added += len(e.new_ids)
                 if e.finished:
                     bar.update(1)
                     o = done[e.req.rid] = self._output(index[e.req.rid], e.req)
                     if on_output is not None:
                         on_output(o)
             t_yield = time.perf_counter()
-            yield
+            yield added
             suspended += time.perf_counter() - t_yield
+            added = 0
         bar.close()
         if self.tp is not None:
             self.tp.send(End())

@@ -143,25 +143,26 @@ def test_bench_job_pairs_the_cli_with_ar(tmp_path: Path) -> None:
 def test_interleave_takes_turns_and_returns_each_result() -> None:
     log: list[str] = []
 
-    def run(name: str, steps: int):
+    def run(name: str, steps: int, tokens: int):
         for k in range(steps):
             log.append(f"{name}{k}")
-            yield
+            yield tokens
         return name * 2
 
-    assert interleave([run("a", 3), run("b", 5)], 2) == ["aa", "bb"]
-    assert log == ["a0", "a1", "b0", "b1", "a2", "b2", "b3", "b4"]
+    # turns of at least 2 tokens: one step of a's (2 tokens a step), two of b's (1)
+    assert interleave([run("a", 3, 2), run("b", 5, 1)], 2) == ["aa", "bb"]
+    assert log == ["a0", "b0", "b1", "a1", "b2", "b3", "a2", "b4"]
     log.clear()
-    assert interleave([run("a", 3), run("b", 2)], 0) == ["aa", "bb"]  # each whole, in turn
+    assert interleave([run("a", 3, 2), run("b", 2, 1)], 0) == ["aa", "bb"]  # each whole
     assert log == ["a0", "a1", "a2", "b0", "b1"]
     with pytest.raises(ValueError, match="grain"):
-        interleave([run("a", 1)], -1)
+        interleave([run("a", 1, 1)], -1)
 
 
 def test_stepwise_generation_leaves_out_its_suspended_time(tmp_path: Path, monkeypatch) -> None:
-    """`generate_stepwise` yields after each step, gives `generate`'s outputs, and its stats count
-    only the time it ran: a clock that jumps by 100 s while it is suspended leaves its seconds
-    under 100."""
+    """`generate_stepwise` yields each step's new tokens, gives `generate`'s outputs, and its
+    stats count only the time it ran: a clock that jumps by 100 s while it is suspended leaves
+    its seconds under 100."""
     import time
 
     from engine import LLM, SamplingParams
@@ -178,15 +179,16 @@ def test_stepwise_generation_leaves_out_its_suspended_time(tmp_path: Path, monke
         return now[0]
 
     monkeypatch.setattr(time, "perf_counter", clock)
-    steps, suspensions = llm.generate_stepwise(prompts, params), 0
+    steps, suspensions, added = llm.generate_stepwise(prompts, params), 0, 0
     while True:
         try:
-            next(steps)
+            added += next(steps)
         except StopIteration as done:
             outs = done.value
             break
         suspensions += 1
         now[0] += 100.0
     assert [o.token_ids for o in outs] == ref
+    assert added == sum(map(len, ref))  # each step yields the tokens it added
     assert suspensions >= 4 and now[0] > 100 * suspensions  # one token a step after the first
     assert 0 < llm.stats["seconds"] < 100
