@@ -314,7 +314,7 @@ class LLM:
         self.timer.totals.clear()
         if self.tp is not None:
             self.tp.comm.reset()
-        t0, suspended, added = time.perf_counter(), 0.0, 0
+        t0, suspended = time.perf_counter(), 0.0
         bar = tqdm(total=len(reqs), desc="generating", unit="prompt", disable=not progress)
         index = {r.rid: i for i, r in enumerate(reqs)}
         done: dict[int, GenerationOutput] = {}
@@ -323,16 +323,14 @@ class LLM:
             events = self.scheduler.step()
             self.timer.totals["engine"] += time.perf_counter() - t_step
             for e in events:
-                added += len(e.new_ids)
                 if e.finished:
                     bar.update(1)
                     o = done[e.req.rid] = self._output(index[e.req.rid], e.req)
                     if on_output is not None:
                         on_output(o)
             t_yield = time.perf_counter()
-            yield added
+            yield sum(len(e.new_ids) for e in events)
             suspended += time.perf_counter() - t_yield
-            added = 0
         bar.close()
         if self.tp is not None:
             self.tp.send(End())
