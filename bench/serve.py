@@ -2,21 +2,26 @@
 
     python -m bench.serve [--model DIR --draft DIR] [--requests 32] [--clients 1 4 16]
                           [--temperatures 0 0.7] [--max-tokens 64] [--prompt-len 128]
-                          [--rounds 3] [--server-args "--budget 8"]
+                          [--rounds 3] [--turn 4] [--server-args "--budget 8"]
 
 Starts two `python -m engine.serve` processes on free loopback ports, one in its default mode
 ("default") and one with `--mode ar`, both with `--server-args`. Each cell (temperature, number
 of concurrent clients) sends the same held-out prompts (token ids, at most `--prompt-len`) to
 `/v1/completions` with `ignore_eos`, each client taking the next request until all are done;
 throughput is completion tokens over the cell's wall time. Every round runs each cell on both
-servers back to back, which one first alternating from cell to cell and round to round
-(`round_order`), then the offline `LLM` (the default server's engine flags, loaded once in
-this process, torch's default threads) on the same requests one at a time, as a single client
-sees them; each number is the median over rounds, and each cell also reports the median of its
-rounds' own default/ar ratios ("paired", `cell_row`), as does the server at one client against
-the offline engine. `--server-args "--mode ar"` runs AR against AR: what a cell reads from
-noise alone. Writes JSON and a PNG under `runs/bench/` (`--out`), and each server's log beside
-them (`serve-default.log`, `serve-ar.log`).
+servers side by side: the servers take turns of `--turn` requests per client (`turns`), which one
+first alternating from turn to turn, cell to cell and round to round (`round_order`), so a drift of
+the machine's speed, which moves a tenth within seconds here, falls on both alike (`--turn 0`: the
+whole cell on one server, then on the other). A turn's requests are its own: the next turn starts
+when its last one returns, so each turn ends with a drain (a batch emptying as its rows finish);
+at 16 clients the default turn holds every request of a cell. Then the offline `LLM` (the
+default server's engine flags, loaded once in this process, torch's default threads) runs the
+same requests one at a time, as a single client sees them. Each number is the median over
+rounds, and each cell also reports the median of its rounds' own default/ar ratios ("paired",
+`cell_row`), as does the server at one client against the offline engine. `--server-args
+"--mode ar"` runs AR against AR: what a cell reads from noise alone. Writes JSON and a PNG under
+`runs/bench/` (`--out`), and each server's log beside them (`serve-default.log`,
+`serve-ar.log`).
 """
 
 from __future__ import annotations
@@ -109,9 +114,10 @@ def body(ids: list[int], max_tokens: int, temperature: float, seed: int | None
 
 
 def run_cell(client: httpx.Client, server: Server, prompts: list[list[int]], clients: int,
-             max_tokens: int, temperature: float, seed: int) -> dict[str, float]:
-    """Every prompt through `clients` concurrent clients; completion tokens over wall time, and
-    the server's time in engine steps meanwhile."""
+             max_tokens: int, temperature: float, seed: int,
+             ids: range | None = None) -> dict[str, float]:
+    """The prompts `ids` (default all) through `clients` concurrent clients; completion tokens
+    over wall time, and the server's time in engine steps meanwhile."""
     url, busy = server.url, server.engine_seconds(client)
 
     def one(i: int) -> int:
@@ -123,10 +129,16 @@ def run_cell(client: httpx.Client, server: Server, prompts: list[list[int]], cli
 
     t0 = time.perf_counter()
     with ThreadPoolExecutor(clients) as pool:  # each worker takes the next request in turn
-        tokens = sum(pool.map(one, range(len(prompts))))
+        tokens = sum(pool.map(one, range(len(prompts)) if ids is None else ids))
     dt = time.perf_counter() - t0
     return {"tokens": tokens, "seconds": dt, "tokens_per_s": tokens / dt,
             "step_seconds": server.engine_seconds(client) - busy}
+
+
+def turns(requests: int, clients: int, turn: int) -> list[range]:
+    """The request indices each turn of a cell sends: `turn` requests per client (0: one turn)."""
+    size = turn * clients or requests
+    return [range(i, min(i + size, requests)) for i in range(0, requests, size)]
 
 
 def run_offline(llm: LLM, prompts: list[list[int]], max_tokens: int, temperature: float,
@@ -155,8 +167,8 @@ def cell_row(temperature: float, clients: int, default: list[dict[str, float]],
              ar: list[dict[str, float]]) -> dict[str, Any]:
     """One cell's row: each server's median over the rounds, the ratio of those medians, and
     each round's own ratio with their median (`round_median`, the table's "paired"). A round
-    runs the cell on both servers back to back, so a slow spell of the machine that spans it
-    moves both; the ratio of medians may take its two medians from different spells."""
+    runs the cell on both servers in turns, so a slow spell of the machine that spans it moves
+    both; the ratio of medians may take its two medians from different spells."""
     d, a = median(default), median(ar)
     pairs = paired_ratios([r["tokens_per_s"] for r in ar], [r["tokens_per_s"] for r in default])
     return {"temperature": temperature, "clients": clients, "default": d, "ar": a,
@@ -177,6 +189,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--prompt-len", type=int, default=128, help="prompts cut to this many tokens")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--turn", type=int, default=4, help="requests per client in each server's "
+                    "turn within a cell (0: each server the whole cell in one turn)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--startup-timeout", type=float, default=1800.0,
                     help="seconds a server may take to load and compile its steps")
@@ -185,6 +199,8 @@ def main(argv: list[str] | None = None) -> None:
     for flag in ("requests", "max_tokens", "prompt_len", "rounds"):
         if getattr(a, flag) < 1:
             ap.error(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(a, flag)}")
+    if a.turn < 0:
+        ap.error(f"--turn must be >= 0, got {a.turn}")
     if min(a.clients) < 1:
         ap.error(f"--clients must all be >= 1, got {a.clients}")
     if min(a.temperatures) < 0:
@@ -231,8 +247,15 @@ def _bench(a: argparse.Namespace, config: EngineConfig, servers: list[Server]) -
             run_offline(llm, prompts[:1], min(8, a.max_tokens), t, a.seed)
         for r in range(a.rounds):
             for k, (t, c) in enumerate(cells):
-                for s in round_order(servers, r + k):
-                    m = run_cell(client, s, prompts, c, a.max_tokens, t, a.seed)
+                parts: dict[str, list[dict[str, float]]] = {s.name: [] for s in servers}
+                for j, ids in enumerate(turns(len(prompts), c, a.turn)):
+                    for s in round_order(servers, r + k + j):
+                        parts[s.name].append(
+                            run_cell(client, s, prompts, c, a.max_tokens, t, a.seed, ids))
+                for s in servers:
+                    m = {f: sum(p[f] for p in parts[s.name])
+                         for f in ("tokens", "seconds", "step_seconds")}
+                    m["tokens_per_s"] = m["tokens"] / m["seconds"]
                     res[(s.name, t, c)].append(m)
                     print(f"round {r + 1}/{a.rounds}  T={t:g}  clients {c:>3}  {s.name:>7}: "
                           f"{m['tokens_per_s']:7.1f} tok/s ({m['tokens']:.0f} tokens in "

@@ -105,6 +105,15 @@ def test_a_server_cell_pairs_each_round() -> None:
         serve.cell_row(0, 1, rounds(100, 50), rounds(100))
 
 
+def test_a_server_cell_takes_turns_of_requests_per_client() -> None:
+    cuts = lambda *a: [(r.start, r.stop) for r in serve.turns(*a)]
+    assert cuts(32, 1, 4) == [(i, i + 4) for i in range(0, 32, 4)]
+    assert cuts(32, 4, 4) == [(0, 16), (16, 32)]
+    assert cuts(32, 16, 4) == [(0, 32)]  # a turn larger than the cell: the cell whole
+    assert cuts(10, 1, 4) == [(0, 4), (4, 8), (8, 10)]  # the last turn takes what is left
+    assert cuts(32, 4, 0) == [(0, 32)]  # 0: one turn
+
+
 def test_the_environment_names_the_cpu_part() -> None:
     """Two parts a cloud calls alike are told apart by family, model and stepping."""
     info = ("processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 25\nmodel\t\t: 1\n"
