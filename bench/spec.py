@@ -57,12 +57,14 @@ Runner = Callable[[], Generator[int, None, dict[str, Any]]]
 
 
 def ours(model: Path, draft: Path | None, mode: str, budget: int | None,
-         prompts: list[list[int]], params: SamplingParams, batch: int, compile: bool = False
-         ) -> Runner:
-    """Loads one engine (warmed up; compiled with `compile`) and returns a function that runs
-    every prompt once. A tree of budget None follows the default budget policy."""
+         prompts: list[list[int]], params: SamplingParams, batch: int, compile: bool = False,
+         wrapper: str = "python") -> Runner:
+    """Loads one engine (warmed up; compiled with `compile`, its kernels called from
+    `wrapper`) and returns a function that runs every prompt once. A tree of budget None
+    follows the default budget policy."""
     llm = LLM(model, draft if mode != "ar" else None, mode=mode, budget=budget,
-              max_batch_size=batch, progress=compile, compile="on" if compile else "off")
+              max_batch_size=batch, progress=compile, compile="on" if compile else "off",
+              compile_wrapper=wrapper)
     llm.generate(prompts[:batch], [params] * min(batch, len(prompts)))  # warm-up
     name = mode if mode != "tree" else f"tree-{budget}" if budget is not None else "policy"
     if not params.greedy:
@@ -194,6 +196,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--compile", action="store_true",
                     help="our engines run the compiled step (--compile on; each compiles its "
                          "steps at load, once per machine with a warm cache)")
+    ap.add_argument("--compile-wrapper", choices=("python", "cpp"), default="python",
+                    help="how the compiled steps call their kernels (engine --compile-wrapper)")
     ap.add_argument("--out", default="runs/bench")
     ap.add_argument("--threads", type=int, default=1,
                     help="CPU threads for every run, ours and transformers' (default 1, as in "
@@ -242,8 +246,8 @@ def _bench(a: argparse.Namespace) -> None:
         runs += [("ar", None, hot), ("tree", None, hot)]
     if a.rounds < 1:
         raise SystemExit(f"--rounds must be >= 1, got {a.rounds}")
-    runners: list[Runner] = [ours(model, draft, m, b, prompts, p, a.batch, a.compile)
-                             for m, b, p in runs]
+    runners: list[Runner] = [ours(model, draft, m, b, prompts, p, a.batch, a.compile,
+                                  a.compile_wrapper) for m, b, p in runs]
     if not a.no_transformers:
         runners += [r for r in (theirs(model, prompts, a.max_new_tokens, lk)
                                 for lk in (None, a.lookup)) if r is not None]

@@ -484,6 +484,11 @@ class EngineConfig:
                             f"serve, on for generate when its prompts ask for at least "
                             f"{COMPILE_MIN_TOKENS:,} new tokens, off elsewhere; CUDA "
                             f"captures graphs instead")
+    compile_wrapper: Literal["python", "cpp"] = Field(
+        "python", description="how a compiled step calls its kernels: inductor's generated "
+                              "python, or a C++ wrapper (cpp: about 1.6x the tokens/s at one "
+                              "row, both modes; cold compiles twice as long; the shipped "
+                              "budget tables were measured with python)")
     # Not a flag: None lets the runner use CUDA graphs exactly when the device is CUDA.
     use_graphs: bool | None = Field(None, json_schema_extra={"cli": False})
 

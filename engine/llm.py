@@ -156,7 +156,8 @@ class LLM:
         shape = StepShape(cfg.mode, DEFAULT_BUDGET if cfg.budget is None else cfg.budget, block,
                           sample=False)
         policy = None if cfg.budget is not None or cfg.mode != "tree" else (
-            cfg.budget_policy or default_policy(device.type, compiled, threads))
+            cfg.budget_policy or default_policy(device.type, compiled, threads,
+                                                cfg.compile_wrapper))
         budgets = load_budgets(policy) if policy else None
         # NOTE: the page table must cover the step that can emit the most, whatever its size
         # (a policy sets every size's budgets).
@@ -171,7 +172,8 @@ class LLM:
                                       max_batch_size=cfg.max_batch_size, max_pages=max_pages,
                                       capture_sizes=cfg.capture_sizes,
                                       use_graphs=cfg.use_graphs, timer=self.timer,
-                                      budgets=budgets, compile=compiled, threads=threads)
+                                      budgets=budgets, compile=compiled, threads=threads,
+                                      wrapper=cfg.compile_wrapper)
         self._attach_attention(max_pages)
         if warm_up or not self.is_leader:
             self.runner.capture(progress=progress)

@@ -37,22 +37,26 @@ class PolicyError(ValueError):
     pass
 
 
-def policy_path(device_type: str, compiled: bool = False, threads: int | None = None) -> Path:
-    """Where the policy of a device type ships (of its compiled step, and on the CPU of a thread
-    count: the costs of both differ); `graphs.profile --tune` writes it there."""
+def policy_path(device_type: str, compiled: bool = False, threads: int | None = None,
+                wrapper: str = "python") -> Path:
+    """Where the policy of a device type ships (of its compiled step, whose kernels `wrapper`
+    calls, and on the CPU of a thread count: the costs of all three differ); `graphs.profile
+    --tune` writes it there."""
     t = f"-t{threads}" if threads and device_type == "cpu" else ""
-    return CONFIGS / f"budgets-{device_type}{'-compiled' if compiled else ''}{t}.toml"
+    kind = ("-compiled" + ("-cpp" if wrapper == "cpp" else "")) if compiled else ""
+    return CONFIGS / f"budgets-{device_type}{kind}{t}.toml"
 
 
-def default_policy(device_type: str, compiled: bool = False, threads: int | None = None
-                   ) -> Path | None:
-    """The shipped policy for a device type (the compiled step's, else the eager one's), if one
-    was measured there. A CPU's tables are each measured at one thread count (what a tree's step
-    costs against a plain one moves with the threads sharing it): the one measured nearest
-    `threads` (by default this thread's torch threads), else one that names no count."""
+def default_policy(device_type: str, compiled: bool = False, threads: int | None = None,
+                   wrapper: str = "python") -> Path | None:
+    """The shipped policy for a device type (the compiled step's with its `wrapper`, else the
+    compiled step's with the Python one, else the eager one's), if one was measured there. A
+    CPU's tables are each measured at one thread count (what a tree's step costs against a plain
+    one moves with the threads sharing it): the one measured nearest `threads` (by default this
+    thread's torch threads), else one that names no count."""
     n = threads or torch.get_num_threads()
-    for c in dict.fromkeys((compiled, False)):
-        uncounted = policy_path(device_type, c)
+    for c, w in dict.fromkeys(((compiled, wrapper), (compiled, "python"), (False, "python"))):
+        uncounted = policy_path(device_type, c, wrapper=w)
         counts = {}
         if device_type == "cpu":
             for p in CONFIGS.glob(f"{uncounted.stem}-t*.toml"):

@@ -144,6 +144,7 @@ class StepGraphRunner:
         max_pages: int, capture_sizes: Sequence[int] | None = None, use_graphs: bool | None = None,
         timer: PhaseTimer | None = None, budgets: Mapping[bool, Mapping[int, int]] | None = None,
         planner: Planner | None = None, compile: bool = False, threads: int | None = None,
+        wrapper: str = "python",
     ):
         self.models, self.pool = models, pool
         self.max_pages = max_pages
@@ -163,6 +164,9 @@ class StepGraphRunner:
         if compile:
             _keep_inductor_cache()
         self.compiled: set[tuple[int, StepShape]] = set()  # the (size, shape)s compiled so far
+        if wrapper not in INDUCTOR_WRAPPERS:
+            raise ValueError(f"compile wrapper {wrapper!r}: expected one of {INDUCTOR_WRAPPERS}")
+        self.wrapper = wrapper  # how a compiled step calls its kernels (`_compiled_step`)
         self.timer = timer or PhaseTimer()
         self.planner = planner
         tree = shape.mode == "tree" and budgets
@@ -333,7 +337,8 @@ class StepGraphRunner:
             bar.update()
         if lone_prefill:  # two tokens, on the dummy page
             with _compiling("a prompt's prefill"), torch_threads(self.threads):
-                prefill(self.models, self.pool, [[0, 0]], [[DUMMY_PAGE]], _compiled_prefill())
+                prefill(self.models, self.pool, [[0, 0]], [[DUMMY_PAGE]],
+                        _compiled_prefill(self.wrapper))
             bar.update()
         bar.close()
 
@@ -362,7 +367,7 @@ class StepGraphRunner:
         view = replace(buf, page_table=buf.page_table[:, :width].contiguous())
         torch._dynamo.mark_dynamic(view.page_table, 1)
         with torch.no_grad(), patch, torch_threads(self.step_threads(*key)):
-            _compiled_step()(self.models, self.pool, view, shape)
+            _compiled_step(self.wrapper)(self.models, self.pool, view, shape)
         self.compiled.add(key)
 
     # ---- model calls ---------------------------------------------------------------------------
@@ -374,7 +379,8 @@ class StepGraphRunner:
         tokens, pages = [i.tokens for i in inps], [i.pages for i in inps]
         with torch_threads(self.threads) if self.compile else nullcontext():
             logits = prefill(self.models, self.pool, tokens, pages,
-                             _compiled_prefill() if self.compiles_prefill(tokens) else None)
+                             _compiled_prefill(self.wrapper)
+                             if self.compiles_prefill(tokens) else None)
         return [None if inp.params is None else self._first(row, inp.params, inp.coin)
                 for row, inp in zip(logits, inps)]
 
@@ -524,12 +530,21 @@ def _keep_inductor_cache() -> None:
             pass
 
 
+# How a compiled graph calls its kernels (`--compile-wrapper`): inductor's generated Python, or
+# C++ (`cpp_wrapper`). A CPU step is a thousand-odd small kernels and GEMMs whose Python calls
+# took half of a compiled step at one row: in C++, on the bundled pair at batch 1, one thread, ar
+# ran 375 -> 588 tokens/s and a budget-4 tree 511 -> 821, token for token the same; a cold
+# compile took twice as long (ar's shapes at batch 1: 130 -> 263 s), a warm cache as long.
+INDUCTOR_WRAPPERS = ("python", "cpp")
+
+
 @functools.cache
-def _compiled_step() -> Callable[..., None]:
-    """`spec_step` compiled whole (no graph breaks: `fullgraph`); dynamo keys its graphs by the
-    buffers' shapes and the step shape (a constant). Run under `no_grad`: inference tensors
-    cannot be traced."""
-    return torch.compile(inspect.unwrap(spec_step), fullgraph=True)
+def _compiled_step(wrapper: str = "python") -> Callable[..., None]:
+    """`spec_step` compiled whole (no graph breaks: `fullgraph`), its kernels called from
+    `wrapper`; dynamo keys its graphs by the buffers' shapes and the step shape (a constant).
+    Run under `no_grad`: inference tensors cannot be traced."""
+    return torch.compile(inspect.unwrap(spec_step), fullgraph=True,
+                         options={"cpp_wrapper": wrapper == "cpp"})
 
 
 @contextmanager
@@ -561,10 +576,11 @@ def _compiling(what: str) -> Iterator[None]:
 
 
 @functools.cache
-def _compiled_prefill() -> Callable[..., Any]:
+def _compiled_prefill(wrapper: str = "python") -> Callable[..., Any]:
     """The prefill's forward (`engine.spec.prefill_forward`) compiled whole, its length
-    symbolic."""
-    return torch.compile(prefill_forward, fullgraph=True)
+    symbolic, its kernels called from `wrapper`."""
+    return torch.compile(prefill_forward, fullgraph=True,
+                         options={"cpp_wrapper": wrapper == "cpp"})
 
 
 def _cut(p: SamplingParams) -> tuple[int, float]:

@@ -39,16 +39,20 @@ def models(tmp_path_factory):
     return load_models(*write_pair(tmp_path_factory.mktemp("compile")))
 
 
-@pytest.mark.parametrize("params", [[SamplingParams()] * 3, SAMPLED], ids=["greedy", "sampled"])
-def test_compiled_step_keeps_the_eager_tokens(models, params):
-    """Three rows padded to four: the compiled runner emits and accepts what the eager one does,
-    step after step, and compiles one graph for the shape; a wider page table reuses it."""
+@pytest.mark.parametrize("params, wrapper", [([SamplingParams()] * 3, "python"),
+                                             (SAMPLED, "python"),
+                                             ([SamplingParams()] * 3, "cpp")],
+                         ids=["greedy", "sampled", "greedy-cpp"])
+def test_compiled_step_keeps_the_eager_tokens(models, params, wrapper):
+    """Three rows padded to four: the compiled runner (its kernels called from inductor's
+    Python or from C++) emits and accepts what the eager one does, step after step, and compiles
+    one graph for the shape; a wider page table reuses it."""
     shape = StepShape("tree", 6, BLOCK, False)
     base = make_pool(models)
     reqs = prefilled(models, base, shape, PROMPTS, params, steps=3)
     eager = run_steps(runner_for(models, make_pool(models), shape, [4]), fresh_copies(reqs), 3,
                       pad=False)
-    runner = runner_for(models, make_pool(models), shape, [4], compile=True)
+    runner = runner_for(models, make_pool(models), shape, [4], compile=True, wrapper=wrapper)
     before = counters["stats"]["unique_graphs"]
     got = run_steps(runner, fresh_copies(reqs), 3)
     assert got.emitted == eager.emitted and got.accepted == eager.accepted
@@ -58,6 +62,12 @@ def test_compiled_step_keeps_the_eager_tokens(models, params):
     buf = runner.buffers[4].fit(compiled_shape)
     runner._run_compiled(buf, compiled_shape, runner.max_pages)  # every row padding
     assert counters["stats"]["unique_graphs"] == before + 1, "a new width compiled a second graph"
+
+
+def test_an_unknown_compile_wrapper_is_named(models):
+    with pytest.raises(ValueError, match="compile wrapper 'java'"):
+        runner_for(models, make_pool(models), StepShape("ar", 0, BLOCK, False), [1],
+                   compile=True, wrapper="java")
 
 
 def test_known_steps_still_find_their_own_graph(models):
@@ -162,7 +172,7 @@ def test_small_compiled_steps_run_on_one_thread(models, monkeypatch):
     runner = runner_for(models, make_pool(models), shape, [1, 2, 2 * small], compile=True,
                         threads=3, budgets=budgets)
     seen: list[tuple[object, int]] = []
-    monkeypatch.setattr("engine.runner._compiled_step", lambda: lambda models, pool, buf, s: (
+    monkeypatch.setattr("engine.runner._compiled_step", lambda _: lambda models, pool, buf, s: (
         seen.append((buf.anchor.shape[0] * s.num_nodes, torch.get_num_threads()))))
 
     def fake_prefill(models, pool, ctxs, *rest):

@@ -407,6 +407,12 @@ def test_the_cpu_policy_is_the_one_measured_nearest_its_threads(tmp_path, monkey
     assert one == tmp_path / "budgets-cpu-compiled-t1.toml"
     assert [default_policy("cpu", True, n) for n in (1, 2, 3, 16)] == [one, one, four, four]
     assert default_policy("cpu", False, 1) == eager  # the compiled tables are not the eager's
+    # a step whose kernels a C++ wrapper calls reads its own tables, else the Python wrapper's
+    assert default_policy("cpu", True, 1, "cpp") == one
+    cpp = write_budgets(policy_path("cpu", True, 2, "cpp"), {False: {1: 4}})
+    assert cpp == tmp_path / "budgets-cpu-compiled-cpp-t2.toml"
+    assert [default_policy("cpu", True, n, "cpp") for n in (1, 16)] == [cpp, cpp]
+    assert default_policy("cpu", True, 1) == one and default_policy("cpu", False, 1) == eager
     monkeypatch.setattr(policy.torch, "get_num_threads", lambda: 5)
     assert default_policy("cpu", True) == four  # by default, this thread's count
     assert default_policy("cuda") is None
