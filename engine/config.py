@@ -486,7 +486,7 @@ class EngineConfig:
                             f"captures graphs instead")
     compile_wrapper: Literal["python", "cpp"] = Field(
         "python", description="how a compiled step calls its kernels: inductor's generated "
-                              "python, or a C++ wrapper (cpp: about 1.6x the tokens/s at one "
+                              "python, or a C++ wrapper (cpp: 1.5-2x the tokens/s at one "
                               "row, both modes; cold compiles twice as long; the shipped "
                               "budget tables were measured with python)")
     # Not a flag: None lets the runner use CUDA graphs exactly when the device is CUDA.
