@@ -41,7 +41,7 @@ from bench.common import (
     table,
     write_results,
 )
-from engine.config import SamplingParams
+from engine.config import COMPILE_WRAPPERS, SamplingParams
 from engine.llm import LLM, model_pair
 from engine.runner import torch_threads
 
@@ -196,7 +196,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--compile", action="store_true",
                     help="our engines run the compiled step (--compile on; each compiles its "
                          "steps at load, once per machine with a warm cache)")
-    ap.add_argument("--compile-wrapper", choices=("python", "cpp"), default="python",
+    ap.add_argument("--compile-wrapper", choices=COMPILE_WRAPPERS, default="python",
                     help="how the compiled steps call their kernels (engine --compile-wrapper)")
     ap.add_argument("--out", default="runs/bench")
     ap.add_argument("--threads", type=int, default=1,

@@ -26,6 +26,9 @@ from ops.yarn import yarn_m
 # Step modes: a DDTree, the drafter's argmax chain, or plain one-token decoding.
 Mode = Literal["tree", "chain", "ar"]
 MODES = typing.get_args(Mode)
+# How a compiled CPU step calls its kernels: inductor's generated Python, or C++ (`cpp_wrapper`).
+CompileWrapper = Literal["python", "cpp"]
+COMPILE_WRAPPERS = typing.get_args(CompileWrapper)
 DEFAULT_BUDGET = 16  # tree nodes besides the root, without --budget or a budget policy
 # `generate --compile auto` compiles when its prompts ask for at least this many new tokens in
 # all: about what pays back compiling its steps from a warm cache on a small CPU.
@@ -484,7 +487,7 @@ class EngineConfig:
                             f"serve, on for generate when its prompts ask for at least "
                             f"{COMPILE_MIN_TOKENS:,} new tokens, off elsewhere; CUDA "
                             f"captures graphs instead")
-    compile_wrapper: Literal["python", "cpp"] = Field(
+    compile_wrapper: CompileWrapper = Field(
         "python", description="how a compiled step calls its kernels: inductor's generated "
                               "python, or a C++ wrapper (cpp: 1.5-2x the tokens/s at one "
                               "row, both modes; cold compiles twice as long; the shipped "

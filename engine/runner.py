@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from engine.config import SamplingParams
+from engine.config import COMPILE_WRAPPERS, SamplingParams
 from engine.kv_cache import DUMMY_PAGE, KVPool
 from engine.policy import budgets_for_sizes
 from engine.spec import (
@@ -164,8 +164,8 @@ class StepGraphRunner:
         if compile:
             _keep_inductor_cache()
         self.compiled: set[tuple[int, StepShape]] = set()  # the (size, shape)s compiled so far
-        if wrapper not in INDUCTOR_WRAPPERS:
-            raise ValueError(f"compile wrapper {wrapper!r}: expected one of {INDUCTOR_WRAPPERS}")
+        if wrapper not in COMPILE_WRAPPERS:
+            raise ValueError(f"compile wrapper {wrapper!r}: expected one of {COMPILE_WRAPPERS}")
         self.wrapper = wrapper  # how a compiled step calls its kernels (`_compiled_step`)
         self.timer = timer or PhaseTimer()
         self.planner = planner
@@ -530,12 +530,13 @@ def _keep_inductor_cache() -> None:
             pass
 
 
-# How a compiled graph calls its kernels (`--compile-wrapper`): inductor's generated Python, or
-# C++ (`cpp_wrapper`). A CPU step is a thousand-odd small kernels and GEMMs whose Python calls
-# took half of a compiled step at one row: in C++, on the bundled pair at batch 1, one thread, ar
-# ran 375 -> 588 tokens/s and a budget-4 tree 511 -> 821, token for token the same; a cold
-# compile took twice as long (ar's shapes at batch 1: 130 -> 263 s), a warm cache as long.
-INDUCTOR_WRAPPERS = ("python", "cpp")
+def _inductor_options(wrapper: str) -> dict[str, Any]:
+    """Inductor's options for a compiled graph whose kernels `wrapper` calls
+    (`--compile-wrapper`). A CPU step is a thousand-odd small kernels and GEMMs whose Python calls
+    took half of a compiled step at one row: from C++, on the bundled pair at batch 1, one thread,
+    ar ran 375 -> 588 tokens/s and a budget-4 tree 511 -> 821, token for token the same; a cold
+    compile took twice as long (ar's shapes at batch 1: 130 -> 263 s), a warm cache as long."""
+    return {"cpp_wrapper": wrapper == "cpp"}
 
 
 @functools.cache
@@ -544,7 +545,7 @@ def _compiled_step(wrapper: str = "python") -> Callable[..., None]:
     `wrapper`; dynamo keys its graphs by the buffers' shapes and the step shape (a constant).
     Run under `no_grad`: inference tensors cannot be traced."""
     return torch.compile(inspect.unwrap(spec_step), fullgraph=True,
-                         options={"cpp_wrapper": wrapper == "cpp"})
+                         options=_inductor_options(wrapper))
 
 
 @contextmanager
@@ -579,8 +580,7 @@ def _compiling(what: str) -> Iterator[None]:
 def _compiled_prefill(wrapper: str = "python") -> Callable[..., Any]:
     """The prefill's forward (`engine.spec.prefill_forward`) compiled whole, its length
     symbolic, its kernels called from `wrapper`."""
-    return torch.compile(prefill_forward, fullgraph=True,
-                         options={"cpp_wrapper": wrapper == "cpp"})
+    return torch.compile(prefill_forward, fullgraph=True, options=_inductor_options(wrapper))
 
 
 def _cut(p: SamplingParams) -> tuple[int, float]:
