@@ -41,7 +41,13 @@ from bench.common import (
     table,
     write_results,
 )
-from engine.config import COMPILE_WRAPPERS, SamplingParams
+from engine.config import (
+    COMPILE_GEMMS,
+    COMPILE_WRAPPERS,
+    DEFAULT_KERNELS,
+    CompileKernels,
+    SamplingParams,
+)
 from engine.llm import LLM, model_pair
 from engine.runner import torch_threads
 
@@ -58,13 +64,13 @@ Runner = Callable[[], Generator[int, None, dict[str, Any]]]
 
 def ours(model: Path, draft: Path | None, mode: str, budget: int | None,
          prompts: list[list[int]], params: SamplingParams, batch: int, compile: bool = False,
-         wrapper: str = "python") -> Runner:
-    """Loads one engine (warmed up; compiled with `compile`, its kernels called from
-    `wrapper`) and returns a function that runs every prompt once. A tree of budget None
-    follows the default budget policy."""
+         kernels: CompileKernels = DEFAULT_KERNELS) -> Runner:
+    """Loads one engine (warmed up; compiled with `compile`, its kernels made as `kernels`
+    says) and returns a function that runs every prompt once. A tree of budget None follows
+    the default budget policy."""
     llm = LLM(model, draft if mode != "ar" else None, mode=mode, budget=budget,
               max_batch_size=batch, progress=compile, compile="on" if compile else "off",
-              compile_wrapper=wrapper)
+              compile_wrapper=kernels.wrapper, compile_gemm=kernels.gemm)
     llm.generate(prompts[:batch], [params] * min(batch, len(prompts)))  # warm-up
     name = mode if mode != "tree" else f"tree-{budget}" if budget is not None else "policy"
     if not params.greedy:
@@ -198,6 +204,8 @@ def main(argv: list[str] | None = None) -> None:
                          "steps at load, once per machine with a warm cache)")
     ap.add_argument("--compile-wrapper", choices=COMPILE_WRAPPERS, default="python",
                     help="how the compiled steps call their kernels (engine --compile-wrapper)")
+    ap.add_argument("--compile-gemm", choices=COMPILE_GEMMS, default="aten",
+                    help="how the compiled steps multiply matrices (engine --compile-gemm)")
     ap.add_argument("--out", default="runs/bench")
     ap.add_argument("--threads", type=int, default=1,
                     help="CPU threads for every run, ours and transformers' (default 1, as in "
@@ -246,8 +254,9 @@ def _bench(a: argparse.Namespace) -> None:
         runs += [("ar", None, hot), ("tree", None, hot)]
     if a.rounds < 1:
         raise SystemExit(f"--rounds must be >= 1, got {a.rounds}")
-    runners: list[Runner] = [ours(model, draft, m, b, prompts, p, a.batch, a.compile,
-                                  a.compile_wrapper) for m, b, p in runs]
+    kernels = CompileKernels(a.compile_wrapper, a.compile_gemm)
+    runners: list[Runner] = [ours(model, draft, m, b, prompts, p, a.batch, a.compile, kernels)
+                             for m, b, p in runs]
     if not a.no_transformers:
         runners += [r for r in (theirs(model, prompts, a.max_new_tokens, lk)
                                 for lk in (None, a.lookup)) if r is not None]

@@ -29,6 +29,41 @@ MODES = typing.get_args(Mode)
 # How a compiled CPU step calls its kernels: inductor's generated Python, or C++ (`cpp_wrapper`).
 CompileWrapper = Literal["python", "cpp"]
 COMPILE_WRAPPERS = typing.get_args(CompileWrapper)
+# How a compiled CPU step multiplies matrices: the matmul library's calls (aten), or inductor's
+# C++ GEMM template over weights frozen into the graph, autotuned against them (cpp).
+CompileGemm = Literal["aten", "cpp"]
+COMPILE_GEMMS = typing.get_args(CompileGemm)
+
+
+class CompileKernels(typing.NamedTuple):
+    """How a compiled CPU step's kernels are called (`wrapper`) and how it multiplies matrices
+    (`gemm`): what a step costs, and so which budget table fits it, depends on both."""
+
+    wrapper: CompileWrapper = "python"
+    gemm: CompileGemm = "aten"
+
+    def check(self) -> CompileKernels:
+        if self.wrapper not in COMPILE_WRAPPERS:
+            raise ValueError(f"compile wrapper {self.wrapper!r}: expected one of "
+                             f"{COMPILE_WRAPPERS}")
+        if self.gemm not in COMPILE_GEMMS:
+            raise ValueError(f"compile gemm {self.gemm!r}: expected one of {COMPILE_GEMMS}")
+        return self
+
+    @property
+    def suffix(self) -> str:
+        """What a budget table's file name adds for these kernels (none for the defaults)."""
+        return ("-cpp" if self.wrapper == "cpp" else "") + (
+            "-cppgemm" if self.gemm == "cpp" else "")
+
+    def describe(self) -> str:
+        parts = (["C++ wrapper"] if self.wrapper == "cpp" else []) + (
+            ["C++ GEMMs"] if self.gemm == "cpp" else [])
+        return "compiled" + (f" ({', '.join(parts)})" if parts else "")
+
+
+DEFAULT_KERNELS = CompileKernels()
+
 DEFAULT_BUDGET = 16  # tree nodes besides the root, without --budget or a budget policy
 # `generate --compile auto` compiles when its prompts ask for at least this many new tokens in
 # all: about what pays back compiling its steps from a warm cache on a small CPU.
@@ -492,8 +527,18 @@ class EngineConfig:
                               "python, or a C++ wrapper (cpp: 1.5-2x the tokens/s at one "
                               "row, both modes; cold compiles twice as long; the shipped "
                               "budget tables were measured with python)")
+    compile_gemm: CompileGemm = Field(
+        "aten", description="how a compiled step multiplies matrices: the matmul library "
+                            "(aten), or inductor's C++ GEMM template over weights frozen into "
+                            "each graph, autotuned (cpp: about 1.9x ar's tokens/s and 1.4x a "
+                            "tree's at one row; cold compiles twice as long; a copy of the "
+                            "weights per graph)")
     # Not a flag: None lets the runner use CUDA graphs exactly when the device is CUDA.
     use_graphs: bool | None = Field(None, json_schema_extra={"cli": False})
+
+    @property
+    def compile_kernels(self) -> CompileKernels:
+        return CompileKernels(self.compile_wrapper, self.compile_gemm)
 
     @model_validator(mode="after")
     def _one_budget_source(self) -> EngineConfig:

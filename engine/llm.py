@@ -157,7 +157,7 @@ class LLM:
                           sample=False)
         policy = None if cfg.budget is not None or cfg.mode != "tree" else (
             cfg.budget_policy or default_policy(device.type, compiled, threads,
-                                                cfg.compile_wrapper))
+                                                cfg.compile_kernels))
         budgets = load_budgets(policy) if policy else None
         # NOTE: the page table must cover the step that can emit the most, whatever its size
         # (a policy sets every size's budgets).
@@ -173,7 +173,7 @@ class LLM:
                                       capture_sizes=cfg.capture_sizes,
                                       use_graphs=cfg.use_graphs, timer=self.timer,
                                       budgets=budgets, compile=compiled, threads=threads,
-                                      wrapper=cfg.compile_wrapper)
+                                      kernels=cfg.compile_kernels)
         self._attach_attention(max_pages)
         if warm_up or not self.is_leader:
             self.runner.capture(progress=progress)

@@ -28,6 +28,8 @@ from typing import Any
 import tomllib
 import torch
 
+from engine.config import DEFAULT_KERNELS, CompileKernels
+
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 TABLES = {False: "greedy", True: "sampled"}
 Policy = dict[bool, dict[int, int]]  # sampling? -> {batch size: budget}
@@ -38,25 +40,27 @@ class PolicyError(ValueError):
 
 
 def policy_path(device_type: str, compiled: bool = False, threads: int | None = None,
-                wrapper: str = "python") -> Path:
-    """Where the policy of a device type ships (of its compiled step, whose kernels `wrapper`
-    calls, and on the CPU of a thread count: the costs of all three differ); `graphs.profile
-    --tune` writes it there."""
+                kernels: CompileKernels = DEFAULT_KERNELS) -> Path:
+    """Where the policy of a device type ships (of its compiled step, made with `kernels`, and
+    on the CPU of a thread count: the costs of all three differ); `graphs.profile --tune` writes
+    it there."""
     t = f"-t{threads}" if threads and device_type == "cpu" else ""
-    kind = ("-compiled" + ("-cpp" if wrapper == "cpp" else "")) if compiled else ""
+    kind = ("-compiled" + kernels.suffix) if compiled else ""
     return CONFIGS / f"budgets-{device_type}{kind}{t}.toml"
 
 
 def default_policy(device_type: str, compiled: bool = False, threads: int | None = None,
-                   wrapper: str = "python") -> Path | None:
-    """The shipped policy for a device type (the compiled step's with its `wrapper`, else the
-    compiled step's with the Python one, else the eager one's), if one was measured there. A
-    CPU's tables are each measured at one thread count (what a tree's step costs against a plain
-    one moves with the threads sharing it): the one measured nearest `threads` (by default this
-    thread's torch threads), else one that names no count."""
+                   kernels: CompileKernels = DEFAULT_KERNELS) -> Path | None:
+    """The shipped policy for a device type (the compiled step's with its `kernels`, else with
+    their wrapper and the matmul library's GEMMs, else with the defaults, else the eager
+    step's), if one was measured there. A CPU's tables are each measured at one thread count
+    (what a tree's step costs against a plain one moves with the threads sharing it): the one
+    measured nearest `threads` (by default this thread's torch threads), else one that names no
+    count."""
     n = threads or torch.get_num_threads()
-    for c, w in dict.fromkeys(((compiled, wrapper), (compiled, "python"), (False, "python"))):
-        uncounted = policy_path(device_type, c, wrapper=w)
+    for c, k in dict.fromkeys(((compiled, kernels), (compiled, CompileKernels(kernels.wrapper)),
+                               (compiled, DEFAULT_KERNELS), (False, DEFAULT_KERNELS))):
+        uncounted = policy_path(device_type, c, kernels=k)
         counts = {}
         if device_type == "cpu":
             for p in CONFIGS.glob(f"{uncounted.stem}-t*.toml"):

@@ -17,9 +17,10 @@ import inspect
 import logging
 import os
 import time
+import warnings
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager, nullcontext
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -27,7 +28,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from engine.config import COMPILE_WRAPPERS, SamplingParams
+from engine.config import DEFAULT_KERNELS, CompileKernels, SamplingParams
 from engine.kv_cache import DUMMY_PAGE, KVPool
 from engine.policy import budgets_for_sizes
 from engine.spec import (
@@ -144,7 +145,7 @@ class StepGraphRunner:
         max_pages: int, capture_sizes: Sequence[int] | None = None, use_graphs: bool | None = None,
         timer: PhaseTimer | None = None, budgets: Mapping[bool, Mapping[int, int]] | None = None,
         planner: Planner | None = None, compile: bool = False, threads: int | None = None,
-        wrapper: str = "python",
+        kernels: CompileKernels = DEFAULT_KERNELS,
     ):
         self.models, self.pool = models, pool
         self.max_pages = max_pages
@@ -164,9 +165,10 @@ class StepGraphRunner:
         if compile:
             _keep_inductor_cache()
         self.compiled: set[tuple[int, StepShape]] = set()  # the (size, shape)s compiled so far
-        if wrapper not in COMPILE_WRAPPERS:
-            raise ValueError(f"compile wrapper {wrapper!r}: expected one of {COMPILE_WRAPPERS}")
-        self.wrapper = wrapper  # how a compiled step calls its kernels (`_compiled_step`)
+        self.kernels = CompileKernels(*kernels).check()  # how a compiled step's are made
+        if compile and self.kernels.gemm == "cpp":
+            # NOTE: inductor's GEMM autotuning calls a deprecated storage API once per compile
+            warnings.filterwarnings("ignore", "TypedStorage is deprecated", UserWarning)
         self.timer = timer or PhaseTimer()
         self.planner = planner
         tree = shape.mode == "tree" and budgets
@@ -336,9 +338,10 @@ class StepGraphRunner:
             self.capture_stats[(bs, shape)] = {"seconds": time.perf_counter() - t0, "bytes": 0}
             bar.update()
         if lone_prefill:  # two tokens, on the dummy page
-            with _compiling("a prompt's prefill"), torch_threads(self.threads):
+            with _compiling("a prompt's prefill"), torch_threads(self.threads), \
+                    _tracing(self.kernels):
                 prefill(self.models, self.pool, [[0, 0]], [[DUMMY_PAGE]],
-                        _compiled_prefill(self.wrapper))
+                        _compiled_prefill(self.kernels))
             bar.update()
         bar.close()
 
@@ -366,8 +369,9 @@ class StepGraphRunner:
         # NOTE: a contiguous table, so the full width is no other graph than a slice of it
         view = replace(buf, page_table=buf.page_table[:, :width].contiguous())
         torch._dynamo.mark_dynamic(view.page_table, 1)
-        with torch.no_grad(), patch, torch_threads(self.step_threads(*key)):
-            _compiled_step(self.wrapper)(self.models, self.pool, view, shape)
+        with torch.no_grad(), patch, torch_threads(self.step_threads(*key)), \
+                nullcontext() if key in self.compiled else _tracing(self.kernels):
+            _compiled_step(self.kernels)(self.models, self.pool, view, shape)
         self.compiled.add(key)
 
     # ---- model calls ---------------------------------------------------------------------------
@@ -377,9 +381,10 @@ class StepGraphRunner:
         """Fill the caches of each input's `pages` with its `tokens`, all in one forward; for
         each with `params`, the first new token (drawn with its `coin` unless greedy)."""
         tokens, pages = [i.tokens for i in inps], [i.pages for i in inps]
-        with torch_threads(self.threads) if self.compile else nullcontext():
+        with torch_threads(self.threads) if self.compile else nullcontext(), \
+                _tracing(self.kernels) if self.compile else nullcontext():
             logits = prefill(self.models, self.pool, tokens, pages,
-                             _compiled_prefill(self.wrapper)
+                             _compiled_prefill(self.kernels)
                              if self.compiles_prefill(tokens) else None)
         return [None if inp.params is None else self._first(row, inp.params, inp.coin)
                 for row, inp in zip(logits, inps)]
@@ -530,22 +535,42 @@ def _keep_inductor_cache() -> None:
             pass
 
 
-def _inductor_options(wrapper: str) -> dict[str, Any]:
-    """Inductor's options for a compiled graph whose kernels `wrapper` calls
-    (`--compile-wrapper`). A CPU step is a thousand-odd small kernels and GEMMs whose Python calls
-    took half of a compiled step at one row: from C++, on the bundled pair at batch 1, one thread,
-    ar ran 375 -> 588 tokens/s and a budget-4 tree 511 -> 821, token for token the same; a cold
-    compile took twice as long (ar's shapes at batch 1: 130 -> 263 s), a warm cache as long."""
-    return {"cpp_wrapper": wrapper == "cpp"}
+def _inductor_options(kernels: CompileKernels) -> dict[str, Any]:
+    """Inductor's options for a compiled graph made with `kernels` (`--compile-wrapper`,
+    `--compile-gemm`). A CPU step is a thousand-odd small kernels and GEMMs. Their Python calls
+    took half of a compiled step at one row: called from C++, on the bundled pair at batch 1, one
+    thread, ar ran 375 -> 588 tokens/s and a budget-4 tree 511 -> 821. The matmul library's
+    GEMMs over a few rows cost mostly their calls: inductor's C++ GEMM template, over weights
+    frozen into the graph (so it can pack them once), ran ar 315 -> 596 and the tree 509 -> 718
+    (both: ar 943). Token for token the same; a cold compile takes about twice as long with
+    either (ar's shapes at batch 1: 130 -> 263 s, 297 s, 360 s with both)."""
+    opts: dict[str, Any] = {"cpp_wrapper": kernels.wrapper == "cpp"}
+    if kernels.gemm == "cpp":
+        # NOTE: freezing only reads weights as constants (it keeps the parameters: the eager
+        # prefill and the other graphs use them); the template needs that to pack them.
+        opts.update(freezing=True, max_autotune=True, max_autotune_gemm_backends="CPP,ATEN",
+                    autotune_num_choices_displayed=0, max_autotune_report_choices_stats=False)
+    return opts
+
+
+def _tracing(kernels: CompileKernels) -> AbstractContextManager:
+    """What must hold while dynamo traces a graph made with `kernels`: C++ GEMMs need the
+    weights frozen, and dynamo reads that from inductor's global config, not from a compile's
+    options (with the options alone, a 16-layer stack of small linears ran no faster)."""
+    if kernels.gemm != "cpp":
+        return nullcontext()
+    import torch._inductor.config as inductor
+
+    return inductor.patch(freezing=True)
 
 
 @functools.cache
-def _compiled_step(wrapper: str = "python") -> Callable[..., None]:
-    """`spec_step` compiled whole (no graph breaks: `fullgraph`), its kernels called from
-    `wrapper`; dynamo keys its graphs by the buffers' shapes and the step shape (a constant).
-    Run under `no_grad`: inference tensors cannot be traced."""
+def _compiled_step(kernels: CompileKernels) -> Callable[..., None]:
+    """`spec_step` compiled whole (no graph breaks: `fullgraph`), made with `kernels`; dynamo
+    keys its graphs by the buffers' shapes and the step shape (a constant). Run under
+    `no_grad`: inference tensors cannot be traced."""
     return torch.compile(inspect.unwrap(spec_step), fullgraph=True,
-                         options=_inductor_options(wrapper))
+                         options=_inductor_options(kernels))
 
 
 @contextmanager
@@ -577,10 +602,10 @@ def _compiling(what: str) -> Iterator[None]:
 
 
 @functools.cache
-def _compiled_prefill(wrapper: str = "python") -> Callable[..., Any]:
+def _compiled_prefill(kernels: CompileKernels) -> Callable[..., Any]:
     """The prefill's forward (`engine.spec.prefill_forward`) compiled whole, its length
-    symbolic, its kernels called from `wrapper`."""
-    return torch.compile(prefill_forward, fullgraph=True, options=_inductor_options(wrapper))
+    symbolic, made with `kernels`."""
+    return torch.compile(prefill_forward, fullgraph=True, options=_inductor_options(kernels))
 
 
 def _cut(p: SamplingParams) -> tuple[int, float]:

@@ -41,6 +41,8 @@ import torch
 from bench.common import round_order
 from engine.config import (
     DEFAULT_BUDGET,
+    DEFAULT_KERNELS,
+    CompileKernels,
     EngineConfig,
     SamplingParams,
     add_cli_args,
@@ -121,7 +123,7 @@ class Bench:
         # steps), so the ranks' collectives line up without a leader.
         self.models, _ = load_models(cfg, device, dtype, tp, progress=not a.no_progress)
         target, drafter = self.models.target, self.models.drafter
-        self.a, self.wrapper = a, cfg.compile_wrapper
+        self.a, self.kernels = a, cfg.compile_kernels
         self.block = drafter.c.block_size if drafter else 2
         self.budget = DEFAULT_BUDGET if a.budget is None else a.budget
         budgets = a.tune_budgets if a.tune else []
@@ -162,7 +164,7 @@ class Bench:
                                max_batch_size=max(sizes), max_pages=self.max_pages,
                                capture_sizes=sizes, use_graphs=use_graphs and cuda,
                                budgets=budgets, compile=use_graphs and not cuda,
-                               wrapper=self.wrapper)
+                               kernels=self.kernels)
 
     def requests(self, bs: int, runner: StepGraphRunner, temperature: float, first: int = 0
                  ) -> list[Request]:
@@ -409,11 +411,11 @@ def main(argv: list[str] | None = None) -> int:
             tp.close()
 
 
-def _step_kind(device: torch.device, graphs: bool, wrapper: str = "python") -> str:
+def _step_kind(device: torch.device, graphs: bool,
+               kernels: CompileKernels = DEFAULT_KERNELS) -> str:
     if not graphs:
         return "eager"
-    return "graph replay" if device.type == "cuda" else (
-        "compiled (C++ wrapper)" if wrapper == "cpp" else "compiled")
+    return "graph replay" if device.type == "cuda" else kernels.describe()
 
 
 def _profile(a: argparse.Namespace, bench: Bench, device: torch.device, dtype: torch.dtype,
@@ -448,12 +450,13 @@ def _profile(a: argparse.Namespace, bench: Bench, device: torch.device, dtype: t
     if a.tune:
         compiled = graphs and device.type == "cpu"
         n = torch.get_num_threads()
-        where = a.policy_out or policy_path(device.type, compiled, n, bench.wrapper)
+        where = a.policy_out or policy_path(device.type, compiled, n, bench.kernels)
         threads = f"{n} threads" + (f" (one for steps of <= {ONE_THREAD_ROWS} token rows)"
                                     if compiled and n > 1 else "")
         result.update(write_tuned(where, tuned, note=(
             f"model {bench.model_dir.name}, drafter {bench.draft_dir and bench.draft_dir.name}, "
-            f"{device} {dtype}, {threads}, {_step_kind(device, graphs, bench.wrapper)} step time, "
+            f"{device} {dtype}, {threads}, {_step_kind(device, graphs, bench.kernels)} step "
+            f"time, "
             f"prompts of <= {a.prompt_len} tokens, {a.tune_tokens} new tokens each, "
             f"sampled at T = {a.tune_temperature}")))
     out = Path(a.output)

@@ -4,6 +4,7 @@ step's tokens, and `auto` settled per use."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from dataclasses import replace
@@ -12,7 +13,7 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from engine.config import EngineConfig, SamplingParams
+from engine.config import CompileKernels, EngineConfig, SamplingParams
 from engine.llm import compile_auto, compiles
 from engine.runner import ONE_THREAD_ROWS, PrefillInputs, StepInputs
 from engine.spec import StepShape
@@ -39,22 +40,38 @@ def models(tmp_path_factory):
     return load_models(*write_pair(tmp_path_factory.mktemp("compile")))
 
 
-@pytest.mark.parametrize("params, wrapper", [([SamplingParams()] * 3, "python"),
-                                             (SAMPLED, "python"),
-                                             ([SamplingParams()] * 3, "cpp")],
-                         ids=["greedy", "sampled", "greedy-cpp"])
-def test_compiled_step_keeps_the_eager_tokens(models, params, wrapper):
+@contextlib.contextmanager
+def _uncached():
+    import torch._functorch.config as aot
+    import torch._inductor.config as inductor
+
+    with inductor.patch(fx_graph_cache=False), aot.patch(enable_autograd_cache=False):
+        yield
+
+
+@pytest.mark.parametrize("params, kernels", [
+    ([SamplingParams()] * 3, CompileKernels()), (SAMPLED, CompileKernels()),
+    ([SamplingParams()] * 3, CompileKernels("cpp")),
+    (SAMPLED, CompileKernels("python", "cpp"))],
+    ids=["greedy", "sampled", "greedy-cpp", "sampled-cppgemm"])
+def test_compiled_step_keeps_the_eager_tokens(models, params, kernels):
     """Three rows padded to four: the compiled runner (its kernels called from inductor's
-    Python or from C++) emits and accepts what the eager one does, step after step, and compiles
-    one graph for the shape; a wider page table reuses it."""
+    Python or from C++, its GEMMs the matmul library's or inductor's C++ template's) emits and
+    accepts what the eager one does, step after step, and compiles one graph for the shape; a
+    wider page table reuses it."""
     shape = StepShape("tree", 6, BLOCK, False)
     base = make_pool(models)
     reqs = prefilled(models, base, shape, PROMPTS, params, steps=3)
     eager = run_steps(runner_for(models, make_pool(models), shape, [4]), fresh_copies(reqs), 3,
                       pad=False)
-    runner = runner_for(models, make_pool(models), shape, [4], compile=True, wrapper=wrapper)
+    runner = runner_for(models, make_pool(models), shape, [4], compile=True, kernels=kernels)
     before = counters["stats"]["unique_graphs"]
-    got = run_steps(runner, fresh_copies(reqs), 3)
+    counters["inductor"].clear()
+    # C++ GEMMs compile cold (no cache may stand in for the compile), so it shows they are made
+    with _uncached() if kernels.gemm == "cpp" else contextlib.nullcontext():
+        got = run_steps(runner, fresh_copies(reqs), 3)
+    if kernels.gemm == "cpp":
+        assert counters["inductor"]["cpp_templated_kernel_counter"] > 0
     assert got.emitted == eager.emitted and got.accepted == eager.accepted
     assert len(runner.compiled) == 1 and counters["stats"]["unique_graphs"] == before + 1
     (size, compiled_shape), = runner.compiled
@@ -64,10 +81,12 @@ def test_compiled_step_keeps_the_eager_tokens(models, params, wrapper):
     assert counters["stats"]["unique_graphs"] == before + 1, "a new width compiled a second graph"
 
 
-def test_an_unknown_compile_wrapper_is_named(models):
-    with pytest.raises(ValueError, match="compile wrapper 'java'"):
+@pytest.mark.parametrize("kernels, named", [(("java", "aten"), "compile wrapper 'java'"),
+                                            (("cpp", "blas"), "compile gemm 'blas'")])
+def test_unknown_compile_kernels_are_named(models, kernels, named):
+    with pytest.raises(ValueError, match=named):
         runner_for(models, make_pool(models), StepShape("ar", 0, BLOCK, False), [1],
-                   compile=True, wrapper="java")
+                   compile=True, kernels=CompileKernels(*kernels))
 
 
 def test_known_steps_still_find_their_own_graph(models):

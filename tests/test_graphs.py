@@ -8,7 +8,7 @@ import torch
 from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
 
 import engine.spec as spec
-from engine.config import SamplingParams
+from engine.config import CompileKernels, SamplingParams
 from engine.kv_cache import DUMMY_PAGE
 from engine.policy import PolicyError, budgets_for_sizes, load_budgets, write_budgets
 from engine.runner import CaptureError, default_capture_sizes
@@ -408,10 +408,17 @@ def test_the_cpu_policy_is_the_one_measured_nearest_its_threads(tmp_path, monkey
     assert [default_policy("cpu", True, n) for n in (1, 2, 3, 16)] == [one, one, four, four]
     assert default_policy("cpu", False, 1) == eager  # the compiled tables are not the eager's
     # a step whose kernels a C++ wrapper calls reads its own tables, else the Python wrapper's
-    assert default_policy("cpu", True, 1, "cpp") == one
-    cpp = write_budgets(policy_path("cpu", True, 2, "cpp"), {False: {1: 4}})
+    wrapped, both = CompileKernels("cpp"), CompileKernels("cpp", "cpp")
+    assert default_policy("cpu", True, 1, wrapped) == one
+    cpp = write_budgets(policy_path("cpu", True, 2, wrapped), {False: {1: 4}})
     assert cpp == tmp_path / "budgets-cpu-compiled-cpp-t2.toml"
-    assert [default_policy("cpu", True, n, "cpp") for n in (1, 16)] == [cpp, cpp]
+    assert [default_policy("cpu", True, n, wrapped) for n in (1, 16)] == [cpp, cpp]
+    # C++ GEMMs read their own tables, else their wrapper's, else the defaults'
+    assert default_policy("cpu", True, 1, both) == cpp
+    assert default_policy("cpu", True, 1, CompileKernels("python", "cpp")) == one
+    gemm = write_budgets(policy_path("cpu", True, 1, both), {False: {1: 2}})
+    assert gemm == tmp_path / "budgets-cpu-compiled-cpp-cppgemm-t1.toml"
+    assert default_policy("cpu", True, 1, both) == gemm
     assert default_policy("cpu", True, 1) == one and default_policy("cpu", False, 1) == eager
     monkeypatch.setattr(policy.torch, "get_num_threads", lambda: 5)
     assert default_policy("cpu", True) == four  # by default, this thread's count
