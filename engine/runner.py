@@ -542,7 +542,7 @@ def _inductor_options(kernels: CompileKernels) -> dict[str, Any]:
     thread, ar ran 375 -> 588 tokens/s and a budget-4 tree 511 -> 821. The matmul library's
     GEMMs over a few rows cost mostly their calls: inductor's C++ GEMM template, over weights
     frozen into the graph (so it can pack them once), ran ar 315 -> 596 and the tree 509 -> 718
-    (both: ar 943). Token for token the same; a cold compile takes about twice as long with
+    (both: 943 and 974). Token for token the same; a cold compile takes about twice as long with
     either (ar's shapes at batch 1: 130 -> 263 s, 297 s, 360 s with both)."""
     opts: dict[str, Any] = {"cpp_wrapper": kernels.wrapper == "cpp"}
     if kernels.gemm == "cpp":
