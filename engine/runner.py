@@ -165,7 +165,7 @@ class StepGraphRunner:
         if compile:
             _keep_inductor_cache()
         self.compiled: set[tuple[int, StepShape]] = set()  # the (size, shape)s compiled so far
-        self.kernels = CompileKernels(*kernels).check()  # how a compiled step's are made
+        self.kernels = kernels.check()  # how a compiled step's kernels are made
         if compile and self.kernels.gemm == "cpp":
             # NOTE: inductor's GEMM autotuning calls a deprecated storage API once per compile
             warnings.filterwarnings("ignore", "TypedStorage is deprecated", UserWarning)
@@ -356,10 +356,12 @@ class StepGraphRunner:
         # config patch and runs only the guards that tell the graphs apart: the buffers' sizes
         # and the step shape's fields, which fix the key. The full guard walk (every weight and
         # buffer) cost 3-4% of a compiled step at four rows.
+        tracing: AbstractContextManager = nullcontext()
         if key in self.compiled:
             # NOTE: set_stance takes effect when it is made, not when it is entered
             patch: Any = torch.compiler.set_stance("default", skip_guard_eval_unsafe=True)
         else:
+            tracing = _tracing(self.kernels)
             log.info("compiling the %s step (%s%s) at batch size %d", shape.mode,
                      "" if shape.mode == "ar" else f"budget {shape.budget}, ",
                      "sampled" if shape.sample else "greedy", key[0])
@@ -369,8 +371,7 @@ class StepGraphRunner:
         # NOTE: a contiguous table, so the full width is no other graph than a slice of it
         view = replace(buf, page_table=buf.page_table[:, :width].contiguous())
         torch._dynamo.mark_dynamic(view.page_table, 1)
-        with torch.no_grad(), patch, torch_threads(self.step_threads(*key)), \
-                nullcontext() if key in self.compiled else _tracing(self.kernels):
+        with torch.no_grad(), patch, tracing, torch_threads(self.step_threads(*key)):
             _compiled_step(self.kernels)(self.models, self.pool, view, shape)
         self.compiled.add(key)
 
@@ -381,11 +382,11 @@ class StepGraphRunner:
         """Fill the caches of each input's `pages` with its `tokens`, all in one forward; for
         each with `params`, the first new token (drawn with its `coin` unless greedy)."""
         tokens, pages = [i.tokens for i in inps], [i.pages for i in inps]
+        forward = _compiled_prefill(self.kernels) if self.compiles_prefill(tokens) else None
+        # NOTE: a compiled prefill may meet a length it has no graph for, so it may trace
         with torch_threads(self.threads) if self.compile else nullcontext(), \
-                _tracing(self.kernels) if self.compile else nullcontext():
-            logits = prefill(self.models, self.pool, tokens, pages,
-                             _compiled_prefill(self.kernels)
-                             if self.compiles_prefill(tokens) else None)
+                _tracing(self.kernels) if forward else nullcontext():
+            logits = prefill(self.models, self.pool, tokens, pages, forward)
         return [None if inp.params is None else self._first(row, inp.params, inp.coin)
                 for row, inp in zip(logits, inps)]
 
@@ -545,18 +546,18 @@ def _inductor_options(kernels: CompileKernels) -> dict[str, Any]:
     (both: 943 and 974). Token for token the same; a cold compile takes about twice as long with
     either (ar's shapes at batch 1: 130 -> 263 s, 297 s, 360 s with both)."""
     opts: dict[str, Any] = {"cpp_wrapper": kernels.wrapper == "cpp"}
-    if kernels.gemm == "cpp":
-        # NOTE: freezing only reads weights as constants (it keeps the parameters: the eager
-        # prefill and the other graphs use them); the template needs that to pack them.
-        opts.update(freezing=True, max_autotune=True, max_autotune_gemm_backends="CPP,ATEN",
+    if kernels.gemm == "cpp":  # the weights are frozen while it traces (`_tracing`)
+        opts.update(max_autotune=True, max_autotune_gemm_backends="CPP,ATEN",
                     autotune_num_choices_displayed=0, max_autotune_report_choices_stats=False)
     return opts
 
 
 def _tracing(kernels: CompileKernels) -> AbstractContextManager:
     """What must hold while dynamo traces a graph made with `kernels`: C++ GEMMs need the
-    weights frozen, and dynamo reads that from inductor's global config, not from a compile's
-    options (with the options alone, a 16-layer stack of small linears ran no faster)."""
+    weights frozen (read as constants, so the template can pack them once; the parameters stay
+    for the eager prefill and the other graphs), and dynamo reads that from inductor's global
+    config, not from a compile's options (given as an option, a 16-layer stack of small linears
+    ran no faster)."""
     if kernels.gemm != "cpp":
         return nullcontext()
     import torch._inductor.config as inductor

@@ -456,8 +456,7 @@ def _profile(a: argparse.Namespace, bench: Bench, device: torch.device, dtype: t
         result.update(write_tuned(where, tuned, note=(
             f"model {bench.model_dir.name}, drafter {bench.draft_dir and bench.draft_dir.name}, "
             f"{device} {dtype}, {threads}, {_step_kind(device, graphs, bench.kernels)} step "
-            f"time, "
-            f"prompts of <= {a.prompt_len} tokens, {a.tune_tokens} new tokens each, "
+            f"time, prompts of <= {a.prompt_len} tokens, {a.tune_tokens} new tokens each, "
             f"sampled at T = {a.tune_temperature}")))
     out = Path(a.output)
     try:
