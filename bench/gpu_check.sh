@@ -293,8 +293,8 @@ if [ "${PROFILE:-1}" = "1" ]; then
     if [ ! -f models/kimi-mini/config.json ] || [ ! -f models/kimi-mini-dflash/config.json ]; then
         TINY="$WORK/tiny"
         part "write a tiny model" profile.txt 60 bash -c \
-            "'$PY' -m engine.tools.make_tiny --out '$TINY/target' && \
-             '$PY' -m engine.tools.make_draft --target '$TINY/target' --out '$TINY/draft'"
+            "'$PY' -m tools.make_tiny --out '$TINY/target' && \
+             '$PY' -m tools.make_draft --target '$TINY/target' --out '$TINY/draft'"
         MODEL_ARGS=(--model "$TINY/target" --draft "$TINY/draft")
     fi
     part "graphs.profile" profile.txt "${PROFILE_TIMEOUT:-90}" \

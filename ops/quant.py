@@ -9,7 +9,7 @@ as `weight_packed` int32 `[out, ceil(in/8)]`, `weight_scale` `[out, ceil(in/grou
 FP8 block: `float8_e4m3fn` weights with fp32 `weight_scale_inv` `[ceil(out/b0), ceil(in/b1)]`;
 despite the name, `W[i, j] = w[i, j] * scale_inv[i // b0, j // b1]`.
 
-The packing/quantizing side is used by the checkpoint writer (`engine.tools.make_tiny`).
+The packing/quantizing side is used by the checkpoint writer (`tools.make_tiny`).
 """
 
 from __future__ import annotations

@@ -42,8 +42,8 @@ from torch import Tensor
 
 # Candidates per node for top-k / top-p without a full sort. 256 covers the top-k values clients
 # send (20-100 typically) and the nucleus of top_p <= 0.95 at most positions of a trained model.
-# topk's cost grows slowly with K (64 -> 256: +25-45% on a CPU core), while a node past the bound
-# costs a whole row's sort (5-35x a topk of 256), and a top-k past it is always sorted.
+# topk's cost grows slowly with K, while a node past the bound costs a whole row's sort (many
+# times a topk of 256), and a top-k past it is always sorted.
 TOPK_BOUND = 256
 
 
@@ -89,9 +89,9 @@ def row_promises(rows: Iterable[tuple[int, float]], vocab: int, bound: int = TOP
 def on_host(x: Tensor) -> bool:
     """Whether `x` is a real CPU tensor outside a compile, which numpy can read in place. An
     eager CPU step then runs two ops through numpy that torch's CPU kernels run slowly at a
-    step's sizes: the last-dimension argmax (`[30, 3072]`: 8 against 87 us; torch's is not
-    vectorized across a row) and the race's integer hash (`race_noise`, `[4, 3072]`: 60 against
-    300 us: numpy's uint32 arithmetic wraps by definition, where torch needs int64 and masks).
+    step's sizes: the last-dimension argmax (torch's is not vectorized across a row) and the
+    race's integer hash (`race_noise`: numpy's uint32 arithmetic wraps by definition, where torch
+    needs int64 and masks).
     Both give the same values, bit for bit."""
     return (x.device.type == "cpu" and type(x) is Tensor and x.dtype == torch.float32
             and not torch.compiler.is_compiling())

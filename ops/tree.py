@@ -197,7 +197,7 @@ def chain_tree(draft_logits: Tensor, anchor_tokens: Tensor) -> DDTree:
 
 def build_ddtree_host(draft_logits: Tensor, budget: int, anchor_tokens: Tensor) -> DDTree:
     """`build_ddtree`'s tree by a best-first heap over rank tuples on the host: the eager CPU
-    step's builder (a few hundred Python operations on `bs x D x R` numbers cost 0.2-0.9x the
+    step's builder (a few hundred Python operations on `bs x D x R` numbers cost less than the
     device builder's hundred-odd tiny tensor ops there, `bench.tree`) and the tests' reference for
     the device one. Host reads: never inside a graph.
 

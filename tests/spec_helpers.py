@@ -7,9 +7,9 @@ from pathlib import Path
 import torch
 
 import engine.spec as spec
-from engine.tools.make_draft import make_draft
-from engine.tools.make_tiny import make_tiny
 from ops.sampling import sample_from_probs, target_probs
+from tools.make_draft import make_draft
+from tools.make_tiny import make_tiny
 
 TARGETS = {
     # MoE with expert groups and yarn; one dense layer first

@@ -7,8 +7,8 @@ import torch
 
 from engine.config import DraftConfig
 from engine.models.dflash import DFlashDrafter
-from engine.tools.make_draft import draft_config
-from engine.tools.make_tiny import make_tiny
+from tools.make_draft import draft_config
+from tools.make_tiny import make_tiny
 
 
 def _naive_attention(attn, x, cos, sin, ctx_kv, ctx_valid):
@@ -77,8 +77,8 @@ def test_rotary_frequencies_stay_fp32_in_a_bf16_model(tmp_path):
     """Rounded to bf16 the frequencies would be off by up to 0.3% (radians off at long
     distances); both models keep them fp32 whatever their dtype."""
     from engine.models.kimi import KimiForCausalLM
-    from engine.tools.make_draft import make_draft
     from ops.rope import rope_frequencies
+    from tools.make_draft import make_draft
 
     t = make_tiny(tmp_path / "t", dtype="fp32")
     d = make_draft(t, tmp_path / "d")
@@ -150,7 +150,7 @@ def test_kimi_drafters_run_yarn_at_the_ports_amplitude_unless_told():
 
 def test_draft_rope_amplitude_override_reaches_the_drafter(tmp_path):
     from engine import LLM
-    from engine.tools.make_draft import make_draft
+    from tools.make_draft import make_draft
 
     t = make_tiny(tmp_path / "t", dtype="fp32")
     d = make_draft(t, tmp_path / "d")

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from engine import LLM, SamplingParams
-from engine.tools.corpus import held_out_prompts
+from engine.held_out import held_out_prompts
 
 GOLDEN = Path(__file__).resolve().parent / "golden" / "bundled_greedy.json"
 CHAT = [{"role": "user", "content": "Write a function that adds two numbers."}]
@@ -41,8 +41,8 @@ QPROMPTS = [[5, 6, 7, 8, 9], list(range(100, 131)), [42] * 12]
 
 def quantized_tokens(root: Path) -> dict[str, list[list[int]]]:
     """Greedy AR and tree tokens of tiny INT4-expert and FP8 checkpoints (fixed seeds)."""
-    from engine.tools.make_draft import make_draft
-    from engine.tools.make_tiny import make_tiny
+    from tools.make_draft import make_draft
+    from tools.make_tiny import make_tiny
 
     out = {}
     for kind in ("int4", "fp8"):

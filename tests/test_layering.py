@@ -1,7 +1,8 @@
 """Imports run one way: every module of the package imports only modules of its own layer or
-the layers below it, `ops` never imports `engine`, `engine` never imports `graphs` or `bench`,
-and no two modules import each other, however indirectly. Imports under `TYPE_CHECKING` and
-inside functions count like any other."""
+the layers below it, `ops` never imports `engine`, `engine` never imports `graphs`, the runtime
+(`engine`, `ops`, `graphs`) never imports the benchmarks (`bench`) or the training and
+checkpoint-writing scripts (`tools`), and no two modules import each other, however indirectly.
+Imports under `TYPE_CHECKING` and inside functions count like any other."""
 
 from __future__ import annotations
 
@@ -9,28 +10,34 @@ import ast
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-PACKAGES = ("ops", "engine", "graphs", "bench")
+PACKAGES = ("ops", "engine", "graphs", "bench", "tools")
 # Lowest first. A module belongs to the entry with the longest matching prefix.
 LAYERS = [
     ("ops",),
-    ("engine.config", "engine.dist", "engine.kv_cache", "engine.chat", "engine.tokenizer",
-     "engine.toolcalls"),
+    ("engine.config", "engine.dist", "engine.kv_cache", "engine.memory", "engine.chat",
+     "engine.tool_declaration",
+     "engine.tokenizer",
+     "engine.toolcalls", "engine.held_out"),
     ("engine.weights", "engine.models"),
+    ("engine.attention",),
     ("engine.spec",),
+    ("engine.cpu",),
     ("engine.policy", "engine.runner"),
     ("engine.request", "engine.scheduler"),
     ("engine.leader",),
     ("engine.llm",),
-    ("engine", "engine.serve", "engine.generate", "engine.tools", "graphs", "bench"),
+    ("engine", "engine.serve", "engine.generate", "graphs", "bench", "tools"),
 ]
-FORBIDDEN = [("ops", "engine"), ("engine", "graphs"), ("engine", "bench")]
+FORBIDDEN = [("ops", "engine"), ("engine", "graphs"),
+             ("engine", "bench"), ("engine", "tools"), ("ops", "bench"), ("ops", "tools"),
+             ("graphs", "bench"), ("graphs", "tools")]
 
 
-def modules() -> dict[str, Path]:
+def modules(root: Path = REPO) -> dict[str, Path]:
     out = {}
     for pkg in PACKAGES:
-        for f in (REPO / pkg).rglob("*.py"):
-            parts = f.relative_to(REPO).with_suffix("").parts
+        for f in (root / pkg).rglob("*.py"):
+            parts = f.relative_to(root).with_suffix("").parts
             out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = f
     return out
 
@@ -64,9 +71,12 @@ def within(mod: str, pkg: str) -> bool:
     return mod == pkg or mod.startswith(pkg + ".")
 
 
-def test_imports_follow_the_layers():
-    mods = modules()
-    graph = {m: imports(p, set(mods)) - {m} for m, p in mods.items()}
+def import_graph(root: Path = REPO) -> dict[str, set[str]]:
+    mods = modules(root)
+    return {m: imports(p, set(mods)) - {m} for m, p in mods.items()}
+
+
+def violations(graph: dict[str, set[str]]) -> list[str]:
     bad = []
     for m, deps in sorted(graph.items()):
         for d in sorted(deps):
@@ -74,12 +84,40 @@ def test_imports_follow_the_layers():
                 bad.append(f"{m} imports {d}, a layer above it")
             bad += [f"{m} imports {d}: {a} never imports {b}" for a, b in FORBIDDEN
                     if within(m, a) and within(d, b)]
+    return bad
+
+
+def test_imports_follow_the_layers():
+    bad = violations(import_graph())
     assert not bad, "\n".join(bad)
 
 
+def test_the_runtime_imports_no_benchmark_and_no_tool(tmp_path):
+    """The checker fails a runtime module that imports `bench` or `tools`, even from inside a
+    function, though all of them sit in the top layer."""
+    for pkg in PACKAGES:
+        (tmp_path / pkg).mkdir()
+        (tmp_path / pkg / "__init__.py").write_text("")
+    (tmp_path / "bench" / "common.py").write_text("def round_order(): pass\n")
+    (tmp_path / "tools" / "corpus.py").write_text("def held_out_prompts(): pass\n")
+    (tmp_path / "graphs" / "profile.py").write_text(
+        "from bench.common import round_order\n"
+        "def f():\n    from tools.corpus import held_out_prompts\n")
+    (tmp_path / "engine" / "generate.py").write_text("import tools.corpus\n")
+    (tmp_path / "ops" / "quant.py").write_text("from bench import common\n")
+    (tmp_path / "tools" / "make_tiny.py").write_text("import engine.generate\nimport ops.quant\n"
+                                                     "from bench.common import round_order\n")
+    assert violations(import_graph(tmp_path)) == [
+        "engine.generate imports tools.corpus: engine never imports tools",
+        "graphs.profile imports bench.common: graphs never imports bench",
+        "graphs.profile imports tools.corpus: graphs never imports tools",
+        "ops.quant imports bench.common, a layer above it",
+        "ops.quant imports bench.common: ops never imports bench",
+    ]
+
+
 def test_no_import_cycles():
-    mods = modules()
-    graph = {m: imports(p, set(mods)) - {m} for m, p in mods.items()}
+    graph = import_graph()
     # Tarjan's strongly connected components: any with two or more modules is a cycle.
     index: dict[str, int] = {}
     low: dict[str, int] = {}

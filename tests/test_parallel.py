@@ -24,9 +24,9 @@ from engine.generate import main as generate_main
 from engine.models.dflash import DFlashDrafter
 from engine.models.kimi import KimiForCausalLM
 from engine.models.layers import checkpoint_tensors, param_bytes
-from engine.tools.make_draft import make_draft
-from engine.tools.make_tiny import make_tiny
 from tests.spec_helpers import TARGETS, make_pair, oracle_draft
+from tools.make_draft import make_draft
+from tools.make_tiny import make_tiny
 
 REPO = Path(__file__).resolve().parent.parent
 TESTS = Path(__file__).resolve().parent

@@ -27,8 +27,8 @@ from engine.tokenizer import (
     reserved_token_name,
     write_tokenizer_files,
 )
-from engine.tools.train_tokenizer import main as train_main
-from engine.tools.train_tokenizer import train_bpe
+from tools.train_tokenizer import main as train_main
+from tools.train_tokenizer import train_bpe
 
 CORPUS = [
     "The quick brown fox jumps over the lazy dog. The dog didn't mind; it's a lazy dog.\n",

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import shlex
+import sys
 
 import pytest
 import torch
@@ -12,10 +14,10 @@ from engine.config import DraftConfig
 from engine.llm import DEFAULT_DRAFT
 from engine.models.dflash import DFlashDrafter
 from engine.models.kimi import KimiForCausalLM
-from engine.tools import corpus
-from engine.tools.make_draft import draft_config
-from engine.tools.make_tiny import make_tiny
-from engine.tools.train_draft import train_drafter
+from tools import corpus
+from tools.make_draft import draft_config
+from tools.make_tiny import make_tiny
+from tools.train_draft import train_drafter
 
 
 def test_corpus_split_is_disjoint_and_stable():
@@ -30,6 +32,26 @@ def test_corpus_split_is_disjoint_and_stable():
     assert prompts == corpus.held_out_prompts(5, seed=3)
     held_text = "".join(t for _, t in corpus.read_split("held_out"))
     assert all(p in held_text and p.rstrip().endswith(":") for p in prompts)
+
+
+def test_shipped_held_out_prompts_are_the_corpus_ones():
+    """The runtime's held-out prompts (`engine.held_out`: a file shipped with the bundled model,
+    so the runtime never imports the training tools) are every prompt the tools cut from the
+    corpus, in order, and sample the same for any seed."""
+    from engine.held_out import HELD_OUT, held_out_prompts, read_candidates
+    from engine.llm import DEFAULT_MODEL
+
+    trained_on = json.loads((DEFAULT_MODEL / "training.json").read_text())["corpus"]["python"]
+    if sys.version.split()[0] != trained_on:
+        pytest.skip(f"the corpus is this Python's standard library; the bundled model's is "
+                    f"Python {trained_on}'s")
+    assert HELD_OUT.parent == DEFAULT_MODEL
+    shipped = read_candidates()
+    assert len(shipped) > 100 and shipped == corpus.held_out_candidates()
+    for n, seed in [(1, 0), (3, 1), (3, 5), (16, 7)]:
+        assert held_out_prompts(n, seed) == corpus.held_out_prompts(n, seed)
+    with pytest.raises(ValueError, match="held-out prompts available"):
+        held_out_prompts(len(shipped) + 1)
 
 
 def test_drafter_learns_a_predictable_continuation(tmp_path):
@@ -53,8 +75,8 @@ def test_draft_fit_scores_drafter_and_target_at_the_same_anchors(tmp_path, capsy
     """`draft_fit` puts the drafter's first drafted token and the target's own next-token top 1
     side by side: on the target's greedy continuations the target is always right, and a drafter
     trained on a cycle drafts it right; its loss is the training loss at those anchors."""
-    from engine.tools.draft_fit import fit, main
-    from engine.tools.train_draft import target_sequences
+    from tools.draft_fit import fit, main
+    from tools.train_draft import target_sequences
 
     t = make_tiny(tmp_path / "t", dtype="fp32")
     target = KimiForCausalLM.from_dir(t, progress=False)
@@ -94,7 +116,7 @@ def test_drafter_mlp_width_follows_the_config(tmp_path):
 
 def test_target_sequences_mix_greedy_and_seeded_samples(tmp_path):
     from engine import LLM, SamplingParams
-    from engine.tools.train_draft import target_sequences
+    from tools.train_draft import target_sequences
 
     t = make_tiny(tmp_path / "t", dtype="fp32")
     prompts = [[5, 9, 300], [17, 4], [600, 3, 90, 2], [8]]
@@ -111,7 +133,7 @@ def test_target_sequences_mix_greedy_and_seeded_samples(tmp_path):
 
 def test_target_trains_through_the_sparse_expert_dispatch(tmp_path):
     """One training step's gradients through the sparse dispatch equal the dense path's."""
-    from engine.tools.train_target import init_weights
+    from tools.train_target import init_weights
 
     make_tiny(tmp_path / "t", dtype="fp32", layers=2, experts=4)
     cfg = KimiForCausalLM.from_dir(tmp_path / "t", progress=False).cfg
@@ -121,7 +143,7 @@ def test_target_trains_through_the_sparse_expert_dispatch(tmp_path):
         init_weights(model, seed=0)
         model.train()
         x = torch.randint(0, 700, (2, 12), generator=torch.Generator().manual_seed(1))
-        logits, _ = model(x[:, :-1], sparse_moe=sparse)
+        logits, _ = model(x[:, :-1], moe="sparse" if sparse else "dense")
         torch.nn.functional.cross_entropy(logits.flatten(0, 1), x[:, 1:].flatten()).backward()
         grads.append({n: p.grad for n, p in model.named_parameters() if p.grad is not None})
     assert grads[0].keys() == grads[1].keys()
@@ -146,10 +168,11 @@ def test_train_bundled_runs_the_shipped_pairs_recorded_recipe(tmp_path, capsys):
     """The one-command recipe is exactly what the shipped files record, stage for stage, each
     drafter stage starting from the one before."""
     from engine.llm import DEFAULT_DRAFT, DEFAULT_MODEL
-    from engine.tools.train_bundled import commands, main
+    from tools.train_bundled import commands, main
 
     cmds = commands(tmp_path / "out", tmp_path / "work")
-    assert [m for m, _ in cmds] == ["engine.tools.train_target"] + ["engine.tools.train_draft"] * 4
+    assert [m for m, _ in cmds] == ["tools.train_target"] + ["tools.train_draft"] * 4
+    assert all(importlib.util.find_spec(m) is not None for m, _ in cmds)
     recorded = [json.loads((DEFAULT_MODEL / "training.json").read_text())["command"]]
     stages = []
     rec = json.loads((DEFAULT_DRAFT / "training.json").read_text())

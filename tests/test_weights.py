@@ -12,10 +12,10 @@ from safetensors.torch import save_file
 from engine.config import ConfigError, ModelConfig
 from engine.dist import Group
 from engine.models.kimi import KimiForCausalLM
-from engine.tools.make_tiny import main as make_tiny_main
-from engine.tools.make_tiny import make_tiny, random_state_dict, save_checkpoint, tiny_config
 from engine.weights import WeightsError, checkpoint_index
 from ops.quant import dequant_fp8_block, dequant_int4
+from tools.make_tiny import main as make_tiny_main
+from tools.make_tiny import make_tiny, random_state_dict, save_checkpoint, tiny_config
 
 SEED = 7
 

@@ -28,6 +28,11 @@ from engine.serve.metrics import Metrics
 
 log = logging.getLogger("engine.serve")
 DISCONNECT_POLL_S = 0.25  # how often a waiting handler checks that its client is still there
+# What a client whose request failed in the engine is told (the cause is in the server log).
+BLAMED = ("the engine failed while running this request, and only this request: the others "
+          "in its batch went on (the server log has the cause)")
+UNATTRIBUTED = ("an engine step failed and the failure could not be attributed to one request, "
+                "so every request of the step was failed (the server log has the cause)")
 
 
 class ClientGone(Exception):
@@ -41,8 +46,8 @@ class Handle:
 
     req: EngineRequest
     # Whether the answer is sent as it grows. A whole answer's handler wakes only for the last
-    # item (all its tokens): waking it at every step cost the step thread 0.2 ms between steps
-    # (bundled pair, one client), the handler's Python holding the interpreter meanwhile.
+    # item (all its tokens): waking it at every step costs the step thread a pause between
+    # steps, the handler's Python holding the interpreter meanwhile.
     stream: bool = True
     queue: asyncio.Queue[tuple[Any, ...]] = field(default_factory=asyncio.Queue)
     closed: bool = False
@@ -67,12 +72,15 @@ class Engine:
 
     The step thread owns the scheduler and steps back to back while there is work, as the
     offline engine does; the event loop only queues commands for it (`post`) and receives each
-    step's tokens (`_deliver`). Handing every step to the thread from the loop and back cost
-    0.5-0.7 ms between steps (bundled pair, one client: 6-8% of a tree step, more of a plain
-    one), time in which neither ran a step."""
+    step's tokens (`_deliver`). Handing every step to the thread from the loop and back costs a
+    pause between every two steps (a larger share of a plain step than of a tree step), time in
+    which neither runs a step."""
 
     def __init__(self, llm: LLM, threads: int | None = None):
         self.llm, self.sched = llm, llm.scheduler
+        # A failing row fails alone (the scheduler runs a failed call again row by row); a lost
+        # peer is nobody's fault and no later step can run.
+        self.sched.isolate, self.sched.fatal = True, (PeerLost,)
         self.threads = threads or torch.get_num_threads()  # the step thread's torch threads
         self.metrics = Metrics(self.sched.step_span)
         self.fatal: str | None = None  # why the engine stopped for good (tensor parallelism)
@@ -138,8 +146,10 @@ class Engine:
                 events = self.sched.step()
                 self._stepped(events, time.perf_counter() - t0)
             except Exception as e:  # noqa: BLE001 - the engine outlives any one failure
-                log.exception("engine step failed; failing every in-flight request")
-                self._fail_all(f"engine error: {type(e).__name__}: {e}")
+                log.exception("engine step failed outside fault isolation; failing every "
+                              "in-flight request")
+                # NOTE: the cause stays in the log: exception text is no client's business.
+                self._fail_all(UNATTRIBUTED)
                 if isinstance(e, PeerLost):
                     # NOTE: a tensor-parallel peer is gone and no later step can run: stop the
                     # server (main exits non-zero).
@@ -172,7 +182,12 @@ class Engine:
             if ev.finished:
                 del self._owned[req.rid]
                 m.finished.labels(reason or "stop").inc()
-            if ev.new_ids or ev.finished:
+            if ev.error is not None:
+                log.error("request %d failed in the engine (%s)", req.rid,
+                          "it failed alone" if ev.blamed else "every row of its step failed",
+                          exc_info=ev.error)
+                out.append((req.rid, ("error", BLAMED if ev.blamed else UNATTRIBUTED)))
+            elif ev.new_ids or ev.finished:
                 out.append((req.rid, ("tokens", list(ev.new_ids), reason, req.text_end)))
         if out:
             self._to_loop(self._deliver, out)
@@ -207,9 +222,13 @@ class Engine:
     # ---- the event loop ------------------------------------------------------------------------
 
     def _deliver(self, out: list[tuple[int, tuple[Any, ...]]]) -> None:
-        for rid, (kind, new, reason, text_end) in out:
+        for rid, item in out:
             if (h := self._live.get(rid)) is None:
                 continue
+            if item[0] == "error":
+                self._fail([rid], item[1])
+                continue
+            kind, new, reason, text_end = item
             if reason is None and not h.stream:
                 h._held += new
                 continue

@@ -1,6 +1,6 @@
 """How well a drafter fits the target's continuations it learned from, against fresh ones.
 
-    python -m engine.tools.draft_fit --draft models/kimi-mini-dflash
+    python -m tools.draft_fit --draft models/kimi-mini-dflash
 
 Reads the last training stage's data recipe from the drafter's `training.json` (seed, windows,
 sampled fraction and temperature), regenerates `--n` of that stage's greedy continuations and `--n`
@@ -25,7 +25,7 @@ from engine.config import SamplingParams
 from engine.llm import DEFAULT_MODEL, LLM
 from engine.models.dflash import DFlashDrafter
 from engine.models.kimi import KimiForCausalLM
-from engine.tools.train_draft import block_loss, corpus_prompts, window_seed
+from tools.train_draft import block_loss, corpus_prompts, window_seed
 
 
 def continuations(llm: LLM, prompts: list[list[int]], idx: list[int], seed: int,
@@ -45,7 +45,7 @@ def fit(target: KimiForCausalLM, drafter: DFlashDrafter, seqs: torch.Tensor, sta
     """Mean training loss over batches of 8 sequences, first-token top-1 of the drafter and of the
     target at the same anchors."""
     g = torch.Generator().manual_seed(seed)
-    outs = [target(seqs[i:i + 16], drafter.c.target_layer_ids, sparse_moe=True)
+    outs = [target(seqs[i:i + 16], drafter.c.target_layer_ids, moe="sparse")
             for i in range(0, len(seqs), 16)]
     logits, feats = (torch.cat(x) for x in zip(*outs))
     n, T = seqs.shape
@@ -64,7 +64,7 @@ def fit(target: KimiForCausalLM, drafter: DFlashDrafter, seqs: torch.Tensor, sta
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m engine.tools.draft_fit",
+    ap = argparse.ArgumentParser(prog="python -m tools.draft_fit",
                                  description=__doc__.splitlines()[0])
     ap.add_argument("--draft", required=True, type=Path)
     ap.add_argument("--target", type=Path, default=DEFAULT_MODEL)

@@ -1,6 +1,6 @@
 """Write a small random Kimi-architecture checkpoint in the real on-disk layout.
 
-    python -m engine.tools.make_tiny --out DIR [--seed S] [--layers N] [--hidden H] [--vocab V]
+    python -m tools.make_tiny --out DIR [--seed S] [--layers N] [--hidden H] [--vocab V]
         [--experts E] [--experts-per-tok K] [--n-group G --topk-group TG] [--first-dense F]
         [--no-yarn] [--int4-experts] [--fp8] [--shards N] [--dtype bf16|fp32]
 
@@ -346,7 +346,7 @@ def make_tiny(
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m engine.tools.make_tiny", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m tools.make_tiny", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True, type=Path, help="output directory")
     p.add_argument("--seed", type=int, default=0)

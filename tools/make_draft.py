@@ -1,6 +1,6 @@
 """Write a randomly initialized DFlash drafter that fits a target checkpoint.
 
-    python -m engine.tools.make_draft --target DIR --out DIR [--layers N --block-size B --seed S]
+    python -m tools.make_draft --target DIR --out DIR [--layers N --block-size B --seed S]
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """Train a DFlash drafter against a frozen target on the target's own continuations.
 
-    python -m engine.tools.train_draft --target models/kimi-mini --out models/kimi-mini-dflash
+    python -m tools.train_draft --target models/kimi-mini --out models/kimi-mini-dflash
 
 One command, fixed seed. Prompts are windows of the training corpus (the target's train split,
-see `engine.tools.corpus`); the target continues each with the engine (`ar` mode), greedily or,
+see `tools.corpus`); the target continues each with the engine (`ar` mode), greedily or,
 for a `--sampled` fraction, at `--temperature` (so the drafter also sees text like what sampling
 requests produce); the drafter then learns, from the target's aux-layer features of the
 context, to predict the next `L` tokens of those continuations. Each training row picks an
@@ -58,7 +58,7 @@ def corpus_prompts(target_dir: Path, n: int, length: int, seed: int,
                    split: str = "train") -> list[list[int]]:
     """`n` windows of `length` tokens from the corpus's `split`, starting at line starts."""
     from engine.tokenizer import Tokenizer
-    from engine.tools import corpus
+    from tools import corpus
 
     tok = Tokenizer.from_dir(target_dir)
     docs = [d for d in corpus.read_split(split) if d[1].strip()]
@@ -78,7 +78,7 @@ def corpus_prompts(target_dir: Path, n: int, length: int, seed: int,
 def target_features(target: KimiForCausalLM, seqs: torch.Tensor, layers: tuple[int, ...],
                     batch: int = 16) -> torch.Tensor:
     """Aux-layer features `[n, T, len(layers) * H]` of equal-length sequences `[n, T]`."""
-    return torch.cat([target(seqs[i:i + batch], layers, sparse_moe=True)[1]
+    return torch.cat([target(seqs[i:i + batch], layers, moe="sparse")[1]
                       for i in range(0, len(seqs), batch)])
 
 
@@ -158,9 +158,9 @@ def sha256_of(path: Path) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from engine.tools.make_draft import draft_config
+    from tools.make_draft import draft_config
 
-    ap = argparse.ArgumentParser(prog="python -m engine.tools.train_draft",
+    ap = argparse.ArgumentParser(prog="python -m tools.train_draft",
                                  description=__doc__.splitlines()[0])
     ap.add_argument("--target", required=True, type=Path)
     ap.add_argument("--out", required=True, type=Path)
@@ -218,7 +218,7 @@ def main(argv: list[str] | None = None) -> None:
     drafter.save(a.out, conf)
     target_files = sorted(p for p in a.target.glob("*.safetensors"))
     record = {
-        "command": "python -m engine.tools.train_draft " + " ".join(argv or sys.argv[1:]),
+        "command": "python -m tools.train_draft " + " ".join(argv or sys.argv[1:]),
         "seed": a.seed, "steps": a.steps, "lr": a.lr, "seqs_per_step": a.seqs_per_step,
         "anchors": a.anchors, "torch": torch.__version__,
         "precision": "bf16 autocast, fp32 master weights",
@@ -230,7 +230,7 @@ def main(argv: list[str] | None = None) -> None:
         "data": {"prompts": len(prompts), "prompt_len": a.prompt_len,
                  "new_tokens": a.new_tokens, "sampled": a.sampled,
                  "temperature": a.temperature if a.sampled else None,
-                 "source": "windows of the target's corpus train split (engine.tools.corpus), "
+                 "source": "windows of the target's corpus train split (tools.corpus), "
                  "continued by the target (greedily, or sampled for the `sampled` fraction)"},
         "target": {"dir": str(a.target),
                    "sha256": {p.name: sha256_of(p) for p in target_files}},

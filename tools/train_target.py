@@ -1,12 +1,13 @@
 """Train the bundled target: a small Kimi-architecture model on the Python standard library.
 
-    python -m engine.tools.train_target --out models/kimi-mini [--steps 1500] [--seed 0]
+    python -m tools.train_target --out models/kimi-mini [--steps 1500] [--seed 0]
 
 One command, fixed seed: trains a byte-level BPE tokenizer on the corpus's train split, then the
 model (MLA with YaRN, noaux_tc MoE with a shared expert and a dense first layer) with AdamW, and
 writes a real checkpoint: `config.json`, bf16 safetensors shards with an index, Kimi-format
-tokenizer files, and `training.json` (the command, the corpus manifest, the loss curve and the
-held-out loss).
+tokenizer files, `training.json` (the command, the corpus manifest, the loss curve and the
+held-out loss) and `held_out.jsonl` (the prompts cut from the held-out files, which benchmarks
+and profiles read through `engine.held_out`).
 """
 
 from __future__ import annotations
@@ -23,11 +24,12 @@ import torch
 import torch.nn.functional as F
 
 from engine.config import ModelConfig
+from engine.held_out import write_candidates
 from engine.models.kimi import KimiForCausalLM, MoE, Router
 from engine.tokenizer import Tokenizer, write_tokenizer_files
-from engine.tools import corpus
-from engine.tools.make_tiny import NUM_SPECIAL, save_checkpoint, tiny_config
-from engine.tools.train_tokenizer import train_bpe
+from tools import corpus
+from tools.make_tiny import NUM_SPECIAL, save_checkpoint, tiny_config
+from tools.train_tokenizer import train_bpe
 
 
 def mini_config(vocab: int, layers: int = 16, hidden: int = 128) -> dict[str, Any]:
@@ -76,7 +78,7 @@ def encode_corpus(tok: Tokenizer, docs: list[tuple[str, str]]) -> torch.Tensor:
 def lm_loss(model: KimiForCausalLM, x: torch.Tensor) -> torch.Tensor:
     # bf16 autocast: about 2x faster than fp32 on CPUs with AVX512-BF16; master weights stay fp32
     with torch.autocast(x.device.type, dtype=torch.bfloat16):
-        logits, _ = model(x[:, :-1], sparse_moe=True)
+        logits, _ = model(x[:, :-1], moe="sparse")
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1))
 
 
@@ -110,7 +112,7 @@ def eval_loss(model: KimiForCausalLM, data: torch.Tensor, seq: int, batches: int
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m engine.tools.train_target",
+    ap = argparse.ArgumentParser(prog="python -m tools.train_target",
                                  description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True, type=Path)
     ap.add_argument("--vocab", type=int, default=3072, help="vocabulary incl. 256 specials")
@@ -181,7 +183,7 @@ def main(argv: list[str] | None = None) -> None:
     state = {k: s.dest for k, s in model.checkpoint_tensors().items()}
     save_checkpoint(state, conf, a.out, shards=2, dtype=torch.bfloat16)
     record = {
-        "command": "python -m engine.tools.train_target " + " ".join(argv or sys.argv[1:]),
+        "command": "python -m tools.train_target " + " ".join(argv or sys.argv[1:]),
         "seed": a.seed, "steps": a.steps, "batch": a.batch, "seq": a.seq, "lr": a.lr,
         "precision": "bf16 autocast, fp32 master weights",
         "torch": torch.__version__, "seconds": round(time.time() - t_start),
@@ -190,6 +192,7 @@ def main(argv: list[str] | None = None) -> None:
         "held_out_loss": round(held_loss, 4), "corpus": corpus.manifest(),
     }
     (a.out / "training.json").write_text(json.dumps(record, indent=1) + "\n")
+    write_candidates(a.out / "held_out.jsonl", corpus.held_out_candidates())
     print(f"wrote {a.out} ({time.time() - t_start:.0f} s)")
 
 

@@ -9,11 +9,12 @@ depend on which files a given Python ships.
 from __future__ import annotations
 
 import hashlib
-import random
 import sys
 import sysconfig
 from pathlib import Path
 from typing import Any
+
+from engine.held_out import sample_prompts
 
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
 # Test suites and GUI demos are large, repetitive and unlike the rest; vendored packages are
@@ -66,9 +67,10 @@ def manifest(root: Path = STDLIB) -> dict[str, Any]:
             "held_out_rule": f"sha256(path) % {HELD_OUT_EVERY} == 0", "files": files}
 
 
-def held_out_prompts(n: int, seed: int = 0, root: Path = STDLIB) -> list[str]:
-    """`n` prompts cut from held-out files: a `def` line with the lines just above it (so the
-    model sees the surrounding style), ending right after the signature."""
+def held_out_candidates(root: Path = STDLIB) -> list[str]:
+    """Every prompt cut from the held-out files: a `def` line with the lines just above it (so
+    the model sees the surrounding style), ending right after the signature. `tools.train_target`
+    ships them next to the model (`engine.held_out`)."""
     cands: list[str] = []
     for _, text in read_split("held_out", root):
         lines = text.splitlines()
@@ -76,6 +78,9 @@ def held_out_prompts(n: int, seed: int = 0, root: Path = STDLIB) -> list[str]:
             s = line.strip()
             if s.startswith("def ") and s.endswith(":") and i >= 3:
                 cands.append("\n".join(lines[i - 3:i + 1]) + "\n")
-    if len(cands) < n:
-        raise ValueError(f"only {len(cands)} held-out prompts available, {n} asked")
-    return random.Random(seed).sample(cands, n)
+    return cands
+
+
+def held_out_prompts(n: int, seed: int = 0, root: Path = STDLIB) -> list[str]:
+    """`n` of `held_out_candidates`, drawn as `engine.held_out.held_out_prompts` draws them."""
+    return sample_prompts(held_out_candidates(root), n, seed)

@@ -1,6 +1,6 @@
 """Train a small byte-level BPE vocabulary and write it in Kimi's tokenizer file layout.
 
-    python -m engine.tools.train_tokenizer --input FILE_OR_DIR --vocab-size 4000 --out DIR
+    python -m tools.train_tokenizer --input FILE_OR_DIR --vocab-size 4000 --out DIR
 
 Ranks 0..255 are the single bytes, so any text encodes and decodes back exactly.
 """

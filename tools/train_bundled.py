@@ -1,9 +1,9 @@
 """Train the bundled pair end to end: the target, then its DFlash drafter in four stages.
 
-    python -m engine.tools.train_bundled [--out models] [--work DIR] [--dry-run]
+    python -m tools.train_bundled [--out models] [--work DIR] [--dry-run]
 
-One command, fixed seeds, about 2 h 10 min on 2 cores. It runs `engine.tools.train_target`
-(`OUT/kimi-mini`), then `engine.tools.train_draft` four times, each stage starting from the
+One command, fixed seeds, about 2 h 10 min on 2 cores. It runs `tools.train_target`
+(`OUT/kimi-mini`), then `tools.train_draft` four times, each stage starting from the
 previous one: two on the target's greedy continuations, two with half of them sampled at
 T = 0.8 (the last writes `OUT/kimi-mini-dflash`); then it writes `OUT/SHA256SUMS`. Each step
 writes its own `training.json`; a drafter's nests the stages before it. `--dry-run` prints the
@@ -33,19 +33,19 @@ STAGES = [
 def commands(out: Path, work: Path) -> list[tuple[str, list[str]]]:
     """`(tool module, its argv)` in order."""
     target = out / "kimi-mini"
-    cmds = [("engine.tools.train_target", ["--out", str(target), *TARGET_ARGS])]
+    cmds = [("tools.train_target", ["--out", str(target), *TARGET_ARGS])]
     prev: Path | None = None
     for i, stage in enumerate(STAGES, 1):
         dst = out / "kimi-mini-dflash" if i == len(STAGES) else work / f"draft{i}"
         init = ["--init", str(prev)] if prev else []
-        cmds.append(("engine.tools.train_draft",
+        cmds.append(("tools.train_draft",
                       ["--target", str(target), *DRAFT_ARGS, "--out", str(dst), *init, *stage]))
         prev = dst
     return cmds
 
 
 def write_sums(out: Path) -> None:
-    from engine.tools.train_draft import sha256_of
+    from tools.train_draft import sha256_of
 
     files = sorted(p for d in ("kimi-mini", "kimi-mini-dflash") for p in (out / d).iterdir()
                    if p.is_file())
@@ -54,7 +54,7 @@ def write_sums(out: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m engine.tools.train_bundled",
+    ap = argparse.ArgumentParser(prog="python -m tools.train_bundled",
                                  description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=Path("models"))
     ap.add_argument("--work", type=Path, help="where the first three drafter stages go "
@@ -65,15 +65,15 @@ def main(argv: list[str] | None = None) -> None:
         for mod, args in commands(a.out, a.work or Path("WORK")):
             print(shlex.join([sys.executable, "-m", mod, *args]))
         return
-    from engine.tools import train_draft, train_target
+    from tools import train_draft, train_target
 
-    tools = {"engine.tools.train_target": train_target.main,
-             "engine.tools.train_draft": train_draft.main}
+    mains = {"tools.train_target": train_target.main,
+             "tools.train_draft": train_draft.main}
     with tempfile.TemporaryDirectory(prefix="kimi-mini-stages-") as tmp:
         cmds = commands(a.out, a.work or Path(tmp))
         for i, (mod, args) in enumerate(cmds, 1):
             print(f"[{i}/{len(cmds)}] python -m {shlex.join([mod, *args])}", flush=True)
-            tools[mod](args)
+            mains[mod](args)
     write_sums(a.out)
     print(f"wrote {a.out}/SHA256SUMS")
 
