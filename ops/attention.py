@@ -115,8 +115,8 @@ def joint_bias(slots: Tensor, ctx_len: Tensor, visible: Tensor, heads: int) -> T
     C + Q]` (fp32: 0 where the query sees the key, -inf elsewhere): its request's committed prefix
     (context positions `< ctx_len`), then the tree nodes `visible` marks. Every layer shares it (it
     is as large as one layer's scores). A bias rather than a boolean mask: the score product adds
-    it in the same call (on a CPU a boolean mask broadcast over heads cost a separate pass of
-    20-50 us a layer at tree sizes)."""
+    it in the same call (on a CPU a boolean mask broadcast over heads costs a separate pass over
+    every layer's scores)."""
     bs, nq, _ = visible.shape
     pos = torch.arange(slots.shape[1], device=slots.device)
     prefix_ok = (pos[None, :] < ctx_len[:, None])[:, None, :].expand(bs, nq, -1)

@@ -12,15 +12,15 @@ the dtype and the GPU: `mla_backend` / `mla_unsupported_reason` answer that on t
 the rules flashinfer 0.7.4 itself applies, so an unsupported model takes the torch path before
 any capture instead of failing inside one.
 
-Graph use: one `FlashInferMLAPrefix` per captured batch size (its metadata buffers are fixed);
-`plan()` is host-side work on host tensors and runs before every replay, outside the graph;
-`__call__` is what the graph captures.
+Graph use: one `FlashInferMLAPrefix` per captured (batch size, tree nodes) (its metadata
+buffers are fixed), held by `engine.attention.flashinfer.FlashInferBackend`; `plan()` is
+host-side work on host tensors and runs before every replay, outside the graph; `__call__` is
+what the graph captures.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -464,16 +464,4 @@ def merge_states_flashinfer(o1: Tensor, lse1: Tensor, o2: Tensor, lse2: Tensor) 
                        o2.reshape(-1, H, D).to(o1.dtype).contiguous(),
                        (lse2 / LN2).reshape(-1, H).float().contiguous())
     return v.view(*lead, H, D)
-
-
-def prefix_planner(backends: dict[tuple[int, int], FlashInferMLAPrefix]
-                   ) -> Callable[[Tensor, Tensor, int], None]:
-    """A step runner's planner: before each step (and each capture), plan the backend of the
-    step's (batch size, queries per row) from the host copies of the page table `[bs, W]` and
-    context lengths `[bs]` the step is about to read."""
-
-    def plan(page_table: Tensor, cache_len: Tensor, num_queries: int) -> None:
-        backends[(page_table.shape[0], num_queries)].plan(page_table, cache_len)
-
-    return plan
 

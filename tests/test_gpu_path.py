@@ -18,6 +18,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from engine.attention import FlashInferBackend, TorchBackend
 from graphs import telemetry
 from ops.attention_gpu import (
     FA_MAX_WORK_ITEMS,
@@ -31,7 +32,6 @@ from ops.attention_gpu import (
     mla_backend_rejections,
     mla_unsupported_reason,
     mla_workspace_bytes,
-    prefix_planner,
 )
 
 REPO = Path(__file__).resolve().parents[1]
@@ -213,8 +213,7 @@ def test_plan_hands_flashinfer_host_int32_metadata_by_keyword(fake_flashinfer):
     fi = _prefix()
     pt = torch.tensor([[7, 8, 9, 1], [0, 0, 0, 0], [3, 4, 5, 6]], dtype=torch.int64)
     ctx = torch.tensor([20, 0, 64], dtype=torch.int64)  # row 1: padding on the dummy page
-    plan = prefix_planner({(3, 5): fi})
-    plan(pt, ctx, 5)
+    FlashInferBackend({(3, 5): fi}, TorchBackend()).plan(pt, ctx, 5)  # the engine's planning
     ((args, kw),) = fi.wrapper.plans
     assert args == ()  # 0.7.4 deprecates positional plan() arguments
     md = kw.pop("metadata")

@@ -121,3 +121,25 @@ def test_profile_errors_name_the_missing_thing(tmp_path, capsys):
     target, _ = write_pair(tmp_path)
     assert profile.main(["--model", str(target), "--output", str(tmp_path / "x.json")]) == 2
     assert "needs a drafter" in capsys.readouterr().err
+
+
+def test_profile_attends_as_the_engine_chooses(tmp_path, capsys):
+    """`--attention` picks the backend the profiled models carry, by the engine's own choice
+    (`engine.attention.select_backend`): the paged kernels' twins for triton on the CPU, torch
+    for auto; flashinfer, which cannot run here, is refused with the reason."""
+    from engine.config import EngineConfig, parse_cli
+
+    target, draft = write_pair(tmp_path)
+    base = ["--model", str(target), "--draft", str(draft), "--no-progress", "--batch-sizes",
+            "1,2", "--steps", "1", "--prompt-len", "5"]
+    for want, name in (("triton", "paged"), ("auto", "torch"), ("torch", "torch")):
+        a, cfg = parse_cli(profile.build_parser(), [*base, "--attention", want], EngineConfig)
+        bench = profile.Bench(a, cfg, torch.device("cpu"), torch.float32)
+        assert bench.models.attention.name == name
+    rc = _profile(tmp_path, "--batch-sizes", "2", "--budget", "3", "--steps", "1", "--warmup",
+                  "0", "--prompt-len", "5", "--attention", "triton", "--output",
+                  str(tmp_path / "p.json"))
+    assert rc == 0 and json.loads((tmp_path / "p.json").read_text())["results"]
+    assert _profile(tmp_path, "--attention", "flashinfer", "--output",
+                    str(tmp_path / "x.json")) == 2
+    assert "--attention flashinfer cannot run here" in capsys.readouterr().err

@@ -21,7 +21,7 @@ from engine.config import DraftConfig
 from engine.dist import Group, world_of
 from engine.models.layers import MLP, RMSNorm, cast_parameters, checkpoint_tensors, linear
 from engine.weights import load_checkpoint
-from ops.paged import draft_attention
+from ops.paged import ContextFn, draft_attention
 from ops.rope import apply_rope_half, rope_cos_sin, rope_frequencies
 
 
@@ -61,7 +61,7 @@ class DraftAttention(nn.Module):
         if isinstance(ctx_kv, PagedContext):
             o = draft_attention(q, self.kv(x, cos, sin), ctx_kv.cache, ctx_kv.page_table,
                                 ctx_kv.ctx_len, ctx_kv.page_size, c.head_dim ** -0.5,
-                                context=torch.ops.kimi.draft_context_attention)
+                                context=ctx_kv.attend)
             return self.o_proj(o.to(x.dtype).reshape(bs, b - a, -1))
         kv = torch.cat([ctx_kv, self.kv(x, cos, sin)], dim=1)  # [bs, C + B, kv_dim]
         half = kv.shape[-1] // 2
@@ -80,12 +80,14 @@ class DraftAttention(nn.Module):
 class PagedContext:
     """The drafter's committed context read in place from its paged cache: `cache [layers,
     num_slots, kv_dim]` (or one layer's `[num_slots, kv_dim]`), `page_table [bs, W]`, `ctx_len
-    [bs]`. Indexing by layer gives that layer's context."""
+    [bs]`, and `attend`, the context attention that reads it (`ops.paged.ContextFn`: the
+    attention backend's). Indexing by layer gives that layer's context."""
 
     cache: Tensor
     page_table: Tensor
     ctx_len: Tensor
     page_size: int
+    attend: ContextFn
 
     def __getitem__(self, layer: int) -> PagedContext:
         return replace(self, cache=self.cache[layer])
