@@ -16,8 +16,9 @@ every few milliseconds meet the same drift), transformers' whole; each round's o
 one (`round_order`), and each run reports its median pass. Prints tokens/s with the ratio to our
 `ar` (and its 90% bootstrap interval over the rounds: `bench.common.ratio_interval`), mean accepted
 length (tokens per step, bonus included) and time per phase; writes JSON and PNG plots under
-`runs/bench/`. `--random` uses a tiny random target and drafter instead (whose drafts are rarely
-accepted: the numbers then show the step's overhead, not a speed-up).
+`runs/bench/`, and with `--report` `bench/reports/spec*.md` (`bench.common.write_report`).
+`--random` uses a tiny random target and drafter instead (whose drafts are rarely accepted: the
+numbers then show the step's overhead, not a speed-up).
 """
 
 from __future__ import annotations
@@ -37,19 +38,14 @@ from bench.common import (
     environment,
     interleave,
     ratio_interval,
-    round_order,
     table,
+    write_report,
     write_results,
 )
-from engine.config import (
-    COMPILE_GEMMS,
-    COMPILE_WRAPPERS,
-    DEFAULT_KERNELS,
-    CompileKernels,
-    SamplingParams,
-)
+from engine.config import SamplingParams
+from engine.cpu import torch_threads
 from engine.llm import LLM, model_pair
-from engine.runner import torch_threads
+from graphs.measure import round_order
 
 # Tokens each of our runs adds in its turn (`bench.common.interleave`).
 GRAIN = 32
@@ -63,14 +59,12 @@ Runner = Callable[[], Generator[int, None, dict[str, Any]]]
 
 
 def ours(model: Path, draft: Path | None, mode: str, budget: int | None,
-         prompts: list[list[int]], params: SamplingParams, batch: int, compile: bool = False,
-         kernels: CompileKernels = DEFAULT_KERNELS) -> Runner:
-    """Loads one engine (warmed up; compiled with `compile`, its kernels made as `kernels`
-    says) and returns a function that runs every prompt once. A tree of budget None follows
-    the default budget policy."""
+         prompts: list[list[int]], params: SamplingParams, batch: int, compile: bool = False
+         ) -> Runner:
+    """Loads one engine (warmed up; compiled with `compile`) and returns a function that runs
+    every prompt once. A tree of budget None follows the default budget policy."""
     llm = LLM(model, draft if mode != "ar" else None, mode=mode, budget=budget,
-              max_batch_size=batch, progress=compile, compile="on" if compile else "off",
-              compile_wrapper=kernels.wrapper, compile_gemm=kernels.gemm)
+              max_batch_size=batch, progress=compile, compile="on" if compile else "off")
     llm.generate(prompts[:batch], [params] * min(batch, len(prompts)))  # warm-up
     name = mode if mode != "tree" else f"tree-{budget}" if budget is not None else "policy"
     if not params.greedy:
@@ -202,11 +196,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--compile", action="store_true",
                     help="our engines run the compiled step (--compile on; each compiles its "
                          "steps at load, once per machine with a warm cache)")
-    ap.add_argument("--compile-wrapper", choices=COMPILE_WRAPPERS, default="python",
-                    help="how the compiled steps call their kernels (engine --compile-wrapper)")
-    ap.add_argument("--compile-gemm", choices=COMPILE_GEMMS, default="aten",
-                    help="how the compiled steps multiply matrices (engine --compile-gemm)")
     ap.add_argument("--out", default="runs/bench")
+    ap.add_argument("--report", action="store_true",
+                    help="also write bench/reports/spec[-compiled][-policy][-bB].md (command, "
+                         "commit, machine, date, the table)")
     ap.add_argument("--threads", type=int, default=1,
                     help="CPU threads for every run, ours and transformers' (default 1, as in "
                          "graphs.profile: the step's ops are small and a second thread mostly "
@@ -217,14 +210,20 @@ def main(argv: list[str] | None = None) -> None:
     if a.threads < 0:
         ap.error(f"--threads must be >= 0, got {a.threads}")
     with torch_threads(a.threads or torch.get_num_threads()):
-        _bench(a)
+        _bench(a, argv)
 
 
-def _bench(a: argparse.Namespace) -> None:
+def _bench(a: argparse.Namespace, argv: list[str] | None = None) -> None:
+    printed: list[str] = []  # what `--report` holds
+
+    def show(text: str, **kw: Any) -> None:
+        print(text, **kw)
+        printed.append(text)
+
     tmp = None
     if a.random:
-        from engine.tools.make_draft import make_draft
-        from engine.tools.make_tiny import make_tiny
+        from tools.make_draft import make_draft
+        from tools.make_tiny import make_tiny
 
         tmp = tempfile.TemporaryDirectory()
         model = make_tiny(Path(tmp.name) / "target", dtype="fp32", layers=2, hidden=128)
@@ -238,9 +237,9 @@ def _bench(a: argparse.Namespace) -> None:
     probe = LLM(model, mode="ar", progress=False)
     prompts, source = bench_prompts(probe, model, a.prompts, a.seed)
     del probe
-    print(f"{len(prompts)} prompts ({source}), {a.max_new_tokens} new tokens each, batch "
-          f"{a.batch}, {torch.get_num_threads()} threads, "
-          f"{'compiled' if a.compile else 'eager'} steps", flush=True)
+    show(f"{len(prompts)} prompts ({source}), {a.max_new_tokens} new tokens each, batch "
+         f"{a.batch}, {torch.get_num_threads()} threads, "
+         f"{'compiled' if a.compile else 'eager'} steps", flush=True)
     greedy = SamplingParams(max_new_tokens=a.max_new_tokens, ignore_eos=True, seed=a.seed)
     hot = SamplingParams(temperature=a.sample_temperature, max_new_tokens=a.max_new_tokens,
                          ignore_eos=True, seed=a.seed)
@@ -254,8 +253,7 @@ def _bench(a: argparse.Namespace) -> None:
         runs += [("ar", None, hot), ("tree", None, hot)]
     if a.rounds < 1:
         raise SystemExit(f"--rounds must be >= 1, got {a.rounds}")
-    kernels = CompileKernels(a.compile_wrapper, a.compile_gemm)
-    runners: list[Runner] = [ours(model, draft, m, b, prompts, p, a.batch, a.compile, kernels)
+    runners: list[Runner] = [ours(model, draft, m, b, prompts, p, a.batch, a.compile)
                              for m, b, p in runs]
     if not a.no_transformers:
         runners += [r for r in (theirs(model, prompts, a.max_new_tokens, lk)
@@ -289,17 +287,17 @@ def _bench(a: argparse.Namespace) -> None:
     chain = next((r for r in rows if r["mode"] == "chain"), None)  # runs whenever trees do
     hf = next((r for r in rows if r["mode"] == "hf-generate"), None)
     best = max(trees, key=lambda r: r["tokens_per_s"]) if trees else None
-    print(table(rows, [("name", "run", "s"), ("tokens_per_s", "tok/s", ".1f"),
-                       ("speedup_vs_ar", "x ar", ".2f"), ("x_ar_90", "90% of x ar", "s"),
-                       ("accept", "accept", "s"),
-                       ("same_as_ar", "= ar", "d"),
-                       ("ms_draft", "draft", ".2f"), ("ms_build", "build", ".2f"),
-                       ("ms_verify", "verify", ".2f"), ("ms_decide", "decide", ".2f"),
-                       ("ms_commit", "commit", ".2f"), ("ms_step", "step", ".2f"),
-                       ("ms_host", "host", ".2f"),
-                       ("ms_prefill+sched", "prefill", ".2f")]))
-    print("(phase columns: milliseconds per step; '= ar': outputs identical to our ar of "
-          f"{len(prompts)}; '90% of x ar': a bootstrap interval over the rounds)")
+    show(table(rows, [("name", "run", "s"), ("tokens_per_s", "tok/s", ".1f"),
+                      ("speedup_vs_ar", "x ar", ".2f"), ("x_ar_90", "90% of x ar", "s"),
+                      ("accept", "accept", "s"),
+                      ("same_as_ar", "= ar", "d"),
+                      ("ms_draft", "draft", ".2f"), ("ms_build", "build", ".2f"),
+                      ("ms_verify", "verify", ".2f"), ("ms_decide", "decide", ".2f"),
+                      ("ms_commit", "commit", ".2f"), ("ms_step", "step", ".2f"),
+                      ("ms_host", "host", ".2f"),
+                      ("ms_prefill+sched", "prefill", ".2f")]))
+    show("(phase columns: milliseconds per step; '= ar': outputs identical to our ar of "
+         f"{len(prompts)}; '90% of x ar': a bootstrap interval over the rounds)")
     summary: dict[str, Any] = {  # "policy_vs_ar", "policy_vs_ar T=0.7"
         "policy_vs_ar" + r["name"].removeprefix("policy"): r["speedup_vs_ar"]
         for r in rows if r["name"].startswith("policy")}
@@ -322,9 +320,9 @@ def _bench(a: argparse.Namespace) -> None:
             if cap is not None:
                 summary["ceiling_tree16_sampled"] = cap
                 summary["sampled_vs_ceiling"] = hot["mean_accept_len"] / cap
-    print("  ".join(f"{k} {v:.2f}" if isinstance(v, float) else
-                    f"{k} {v[0]:.2f}-{v[1]:.2f}" if isinstance(v, list) else f"{k} {v}"
-                    for k, v in summary.items()))
+    show("  ".join(f"{k} {v:.2f}" if isinstance(v, float) else
+                   f"{k} {v[0]:.2f}-{v[1]:.2f}" if isinstance(v, list) else f"{k} {v}"
+                   for k, v in summary.items()))
 
     def plot(fig):
         ax1, ax2 = fig.add_subplot(1, 2, 1), fig.add_subplot(1, 2, 2)
@@ -354,9 +352,12 @@ def _bench(a: argparse.Namespace) -> None:
     for r in rows:
         r.pop("accept")
     name = "spec-compiled" if a.compile else "spec"
-    write_results(name, {"model": str(model), "draft": str(draft), "prompts": source,
-                           "env": environment("cpu"), "params": vars(a), "summary": summary,
-                           "runs": rows}, plot, a.out)
+    paths = write_results(name, {"model": str(model), "draft": str(draft), "prompts": source,
+                                 "env": environment("cpu"), "params": vars(a),
+                                 "summary": summary, "runs": rows}, plot, a.out)
+    if a.report:
+        kind = name + "-policy" * a.policy_only + (f"-b{a.batch}" if a.batch != 1 else "")
+        write_report(kind, "bench.spec", printed, argv=argv, files=paths)
     if tmp is not None:
         tmp.cleanup()
 

@@ -13,10 +13,10 @@ stay fixed. `python -m graphs.profile --tune` measures and writes it:
     1 = 8
 
 Each captured size takes the entry of the largest listed size not above it (sizes below every
-entry take the smallest entry). `configs/budgets-cpu-t2.toml` and `budgets-cpu-compiled-t{1,2}.toml`
-(the compiled step's, with 1 and 2 threads), measured on the bundled pair, are the CPU's default
-policies; `configs/budgets-cuda.toml`, estimated at Kimi's size by `graphs.plan --cost --tune`,
-is CUDA's until `graphs.profile --tune` measures one there.
+entry take the smallest entry). One table ships per device and execution path, measured on the
+bundled pair: `configs/budgets-cpu.toml` (the eager CPU step), `configs/budgets-cpu-compiled.toml`
+(the compiled CPU step, `engine.cpu`) and `configs/budgets-cuda.toml` (estimated at Kimi's size
+by `graphs.plan --cost --tune` until `graphs.profile --tune` measures one there).
 """
 
 from __future__ import annotations
@@ -26,9 +26,6 @@ from pathlib import Path
 from typing import Any
 
 import tomllib
-import torch
-
-from engine.config import DEFAULT_KERNELS, CompileKernels
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 TABLES = {False: "greedy", True: "sampled"}
@@ -39,38 +36,17 @@ class PolicyError(ValueError):
     pass
 
 
-def policy_path(device_type: str, compiled: bool = False, threads: int | None = None,
-                kernels: CompileKernels = DEFAULT_KERNELS) -> Path:
-    """Where the policy of a device type ships (of its compiled step, made with `kernels`, and
-    on the CPU of a thread count: the costs of all three differ); `graphs.profile --tune` writes
-    it there."""
-    t = f"-t{threads}" if threads and device_type == "cpu" else ""
-    kind = ("-compiled" + kernels.suffix) if compiled else ""
-    return CONFIGS / f"budgets-{device_type}{kind}{t}.toml"
+def policy_path(device_type: str, compiled: bool = False) -> Path:
+    """Where the policy of a device type's execution path ships (the compiled CPU step's
+    apart from the eager one's: their costs differ); `graphs.profile --tune` writes it there."""
+    kind = "-compiled" if compiled and device_type == "cpu" else ""
+    return CONFIGS / f"budgets-{device_type}{kind}.toml"
 
 
-def default_policy(device_type: str, compiled: bool = False, threads: int | None = None,
-                   kernels: CompileKernels = DEFAULT_KERNELS) -> Path | None:
-    """The shipped policy for a device type (the compiled step's with its `kernels`, else with
-    their wrapper and the matmul library's GEMMs, else with the defaults, else the eager
-    step's), if one was measured there. A CPU's tables are each measured at one thread count
-    (what a tree's step costs against a plain one moves with the threads sharing it): the one
-    measured nearest `threads` (by default this thread's torch threads), else one that names no
-    count."""
-    n = threads or torch.get_num_threads()
-    for c, k in dict.fromkeys(((compiled, kernels), (compiled, CompileKernels(kernels.wrapper)),
-                               (compiled, DEFAULT_KERNELS), (False, DEFAULT_KERNELS))):
-        uncounted = policy_path(device_type, c, kernels=k)
-        counts = {}
-        if device_type == "cpu":
-            for p in CONFIGS.glob(f"{uncounted.stem}-t*.toml"):
-                if (t := p.stem[len(uncounted.stem) + 2:]).isdigit():
-                    counts[int(t)] = p
-        if counts:
-            return counts[min(counts, key=lambda k: (abs(k - n), -k))]
-        if uncounted.is_file():
-            return uncounted
-    return None
+def default_policy(device_type: str, compiled: bool = False) -> Path | None:
+    """The shipped policy of a device type's execution path, if one ships."""
+    p = policy_path(device_type, compiled)
+    return p if p.is_file() else None
 
 
 def _table(p: Path, name: str, table: Any) -> dict[int, int]:
@@ -119,8 +95,7 @@ def budgets_for_sizes(policy: Mapping[int, int], sizes: Sequence[int]) -> dict[i
 
 
 # A tree must beat plain decoding (budget 0) by this much to be chosen: prompts differ in how
-# well they draft, and a tune's near-tie can be another prompt mix's loss (measured: greedy batch
-# 16, compiled, won 2% in the tune and lost 32% in `bench.spec`'s prompts).
+# well they draft, and a tune's near-tie can be another prompt mix's clear loss.
 MARGIN = 0.10
 
 

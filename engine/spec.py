@@ -18,12 +18,12 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from engine.attention import AttentionBackend, TorchBackend
 from engine.config import MODES
 from engine.dist import Group
 from engine.kv_cache import DUMMY_PAGE, KVPool
-from engine.models.dflash import DFlashDrafter, PagedContext
+from engine.models.dflash import DFlashDrafter
 from engine.models.kimi import KimiForCausalLM
-from ops.attention import PrefixKernel, gather_slots
 from ops.paged import table_slots
 from ops.sampling import argmax, race_logits, sample_from_probs, target_probs
 from ops.tree import DDTree, build_ddtree, build_ddtree_host, chain_tree
@@ -155,34 +155,11 @@ class StepBuffers:
 class Models:
     target: KimiForCausalLM
     drafter: DFlashDrafter | None = None
-    # Eager runs may send each token only through its chosen experts (cheaper on a CPU); the
-    # dispatch has data-dependent shapes, so a captured or fake-tensor step keeps the dense one.
-    sparse_moe: bool = False
     # Tensor parallelism: this rank's group (`engine.dist`); None in a single process.
     tp: Group | None = None
-    # How attention reads the paged caches: "torch" gathers the page table's slots (eager runs
-    # trim the table to the batch's live width; a graph gathers its whole fixed width), "paged"
-    # reads them in place with work that follows each row's length (the kimi:: paged ops:
-    # Triton on CUDA, their torch twins elsewhere).
-    attention: str = "torch"
-    # Planned flashinfer MLA prefix kernels per (padded batch size, tree nodes)
-    # (`ops.attention_gpu`, CUDA): where present they take the target's prefix pass.
-    prefix: dict[tuple[int, int], PrefixKernel] = field(default_factory=dict)
-
-    def prefix_for(self, buf: StepBuffers, page_size: int) -> PrefixKernel | None:
-        """The target's prefix-attention kernel for this step: flashinfer's planned one, the
-        paged op over `buf`'s page table, or None (the torch pass over gathered slots)."""
-        planned = self.prefix.get((buf.anchor.shape[0], buf.tree_kv.shape[2]))
-        if planned is not None or self.attention != "paged":
-            return planned
-        table, scale = buf.page_table, self.target.cfg.softmax_scale
-
-        def paged(q_lat: Tensor, q_pe: Tensor, kv: Tensor, ctx_len: Tensor
-                  ) -> tuple[Tensor, Tensor]:
-            return torch.ops.kimi.mla_prefix_attention(q_lat, q_pe, kv, table, ctx_len,
-                                                       page_size, scale)
-
-        return paged
+    # How attention reads the paged caches (`engine.attention.select_backend`): the step
+    # only calls its hooks.
+    attention: AttentionBackend = field(default_factory=TorchBackend)
 
     def kv_pool(self, page_size: int, num_pages: int, dtype: torch.dtype = torch.float32,
                 device: torch.device | str = "cpu") -> KVPool:
@@ -206,10 +183,19 @@ class Models:
 
 
 Timer = Callable[[str], contextlib.AbstractContextManager]
+# How the target's expert banks run a forward of `n` tokens (`ExpertBank.forward`'s mode): the
+# runner chooses one per execution path (`StepGraphRunner.expert_pass`); the model runs it.
+ExpertPass = Callable[[int], str]
 
 
 def _no_timer(name: str) -> contextlib.AbstractContextManager:
     return contextlib.nullcontext()
+
+
+def sparse_pass(n: int) -> str:
+    """Each token through its chosen experts only: eager forwards' pass unless told otherwise
+    (data-dependent shapes, so never in a graph)."""
+    return "sparse"
 
 
 def slot_of(page_table: Tensor, pos: Tensor, page_size: int) -> Tensor:
@@ -222,26 +208,20 @@ def slot_of(page_table: Tensor, pos: Tensor, page_size: int) -> Tensor:
 def draft(models: Models, pool: KVPool, buf: StepBuffers, shape: StepShape,
           ctx_slots: Tensor | None) -> Tensor:
     """Draft logits `[bs, D, V]` (`D = shape.draft_depth`) for the block `[anchor, MASK x L]`
-    at `cache_len ..`; the context is gathered through `ctx_slots [bs, C]`, or read in place
-    when those are None (paged attention)."""
+    at `cache_len ..`; the context as the attention backend hands it over (`ctx_slots`: the
+    step's gathered slots `[bs, C]`, or None where its kernels read the pages in place)."""
     target, drafter = models.target, models.drafter
     bs, B = buf.anchor.shape[0], shape.block_size
     block = torch.full((bs, B), drafter.c.mask_token_id, dtype=torch.int64,
                        device=buf.anchor.device)
     block[:, 0] = buf.anchor
     positions = buf.cache_len[:, None] + torch.arange(B, device=block.device)
-    if ctx_slots is None:
-        ctx_kv: Tensor | PagedContext = PagedContext(pool.draft, buf.page_table, buf.cache_len,
-                                                     pool.page_size)
-        ctx_valid = None
-    else:
-        ctx_kv = gather_slots(pool.draft, ctx_slots)  # [layers, bs, C, kv_dim]
-        ctx_valid = torch.arange(ctx_slots.shape[1], device=block.device) < buf.cache_len[:, None]
+    ctx_kv, ctx_valid = models.attention.draft_context(pool.draft, buf.page_table, buf.cache_len,
+                                                       pool.page_size, ctx_slots)
     # NOTE: row 0 (the anchor's own) predicts nothing; row j predicts depth j. The block stays
     # whole even when the tree reads fewer depths: its rows see each other, and the drafter was
-    # trained on whole blocks. Cut to the depths a tree reads (5 of 16 rows at budget 4), the
-    # bundled drafter accepted 2.40 greedy tokens a step instead of 2.92 (9 rows at budget 8:
-    # 2.99 against 3.57; batch 1, 16 held-out prompts), and its eager pass took no less time.
+    # trained on whole blocks. Cut to the depths a tree reads, the bundled drafter accepted
+    # fewer tokens a step, and its eager pass took no less time.
     D = shape.draft_depth
     h = drafter(target.model.embed_tokens(block), positions, ctx_kv, ctx_valid, rows=(1, D + 1))
     return target.lm_head(h).float()
@@ -253,10 +233,9 @@ def couple(draft_logits: Tensor, buf: StepBuffers, rows: Tensor | None) -> Tenso
     fills (`race_logits`). The tree's spine is then what the drafter itself would draw with the
     step's coins, which the target draws too wherever the two distributions agree. Untruncated:
     the drafter cannot know where the target's top-k or nucleus ends, and cut as the target is
-    cut it accepted less (bundled pair, T = 0.7, budget 8: 1.77 against 1.87 tokens per step
-    with top-p 0.9, 1.90 against 1.93 with top-k 20). Every token races: racing only the
-    drafter's 64 most likely cost 1-5% of the tokens a step accepts (T = 0.7, budgets 2-16; a
-    tail token wins the target's race often enough). Greedy rows keep their logits; `rows`: the
+    cut it accepted less with the bundled pair. Every token races: racing only the drafter's
+    most likely few lost accepted tokens with the bundled pair (a tail token wins the
+    target's race often enough). Greedy rows keep their logits; `rows`: the
     sampling rows (`sampled_rows`), or None to race every row alike (a graph)."""
     coins = buf.coins[:, :draft_logits.shape[1]]
     if rows is None:
@@ -366,14 +345,14 @@ def commit(models: Models, pool: KVPool, buf: StepBuffers, dec: Decision, aux: T
 
 
 def prefill_forward(target: KimiForCausalLM, ids: Tensor, last: Tensor, aux_layers: Sequence[int],
-                    sparse_moe: bool, drafter: DFlashDrafter | None = None
+                    moe: str, drafter: DFlashDrafter | None = None
                     ) -> tuple[Tensor, Tensor | None, Tensor]:
-    """The prefill's forward over `ids [B, T]` (at positions `0 ..`): the logits at `last [B, 1]`
-    (`[B, V]`), the drafter's context rows of every position `[draft_layers, B, T, kv_dim]`
-    (None without a drafter) and every layer's cache rows `[layers, B, T, R + P]`."""
+    """The prefill's forward over `ids [B, T]` (at positions `0 ..`) with the expert pass `moe`:
+    the logits at `last [B, 1]` (`[B, V]`), the drafter's context rows of every position
+    `[draft_layers, B, T, kv_dim]` (None without a drafter) and every layer's cache rows
+    `[layers, B, T, R + P]`."""
     rows: list[Tensor] = []
-    logits, aux = target(ids, aux_layers, sparse_moe=sparse_moe, logits_rows=last,
-                         cache_rows_out=rows)
+    logits, aux = target(ids, aux_layers, moe=moe, logits_rows=last, cache_rows_out=rows)
     # NOTE: the drafter's context rows are made here, so a compiled prefill makes them in its
     # graph too (eagerly, after the graph, they were 66 small ops of their own).
     ctx = None
@@ -385,13 +364,14 @@ def prefill_forward(target: KimiForCausalLM, ids: Tensor, last: Tensor, aux_laye
 
 @torch.no_grad()
 def prefill(models: Models, pool: KVPool, ctxs: Sequence[Sequence[int]],
-            pages: Sequence[Sequence[int]], forward: Callable[..., Any] | None = None) -> Tensor:
+            pages: Sequence[Sequence[int]], forward: Callable[..., Any] | None = None,
+            expert_pass: ExpertPass = sparse_pass) -> Tensor:
     """One causal forward over the sequences `ctxs` (each at positions `0 ..`, right-padded to
     the longest: a causal token never sees the padding after it) writing each one's target
     latent rows and drafter context K/V into its `pages`; returns each one's last-position
-    logits `[B, V]`. `forward`: `prefill_forward` or a compiled one (which the eager expert
-    dispatch would break: it gets `sparse_moe=False`; its length is symbolic, and at least 2,
-    since a length of 1 would specialize into a graph of its own)."""
+    logits `[B, V]`. `forward`: `prefill_forward` or a compiled one (its length symbolic, and at
+    least 2, since a length of 1 would specialize into a graph of its own); `expert_pass` gives
+    its expert pass for the `B x T` tokens (a fixed-shape one for a compiled forward)."""
     lens = [len(c) for c in ctxs]
     if not lens or min(lens) == 0 or len(pages) != len(lens):
         raise ValueError(f"prefill needs one non-empty sequence per page list, got lengths "
@@ -400,14 +380,15 @@ def prefill(models: Models, pool: KVPool, ctxs: Sequence[Sequence[int]],
     dev = pool.target.device
     ids = torch.tensor([list(c) + [0] * (T - len(c)) for c in ctxs], device=dev)
     last = torch.tensor(lens, device=dev)[:, None] - 1
+    moe = expert_pass(B * T)
     if forward is None:
-        logits, ctx, rows = prefill_forward(models.target, ids, last, models.aux_layers, True,
+        logits, ctx, rows = prefill_forward(models.target, ids, last, models.aux_layers, moe,
                                             models.drafter)
     else:
         import torch._dynamo as dynamo
 
         dynamo.mark_dynamic(ids, 1)
-        logits, ctx, rows = forward(models.target, ids, last, models.aux_layers, False,
+        logits, ctx, rows = forward(models.target, ids, last, models.aux_layers, moe,
                                     models.drafter)
     pos = torch.arange(T, device=dev).expand(B, T)
     real = pos < torch.tensor(lens, device=dev)[:, None]  # [B, T]
@@ -422,12 +403,13 @@ def prefill(models: Models, pool: KVPool, ctxs: Sequence[Sequence[int]],
 
 @torch.inference_mode()
 def catch_up(models: Models, pool: KVPool, tokens: Sequence[int], start: int, pages: list[int],
-             chunk: int = 256) -> None:
+             chunk: int = 256, expert_pass: ExpertPass = sparse_pass) -> None:
     """Write the drafter's context rows of committed `tokens` at positions `start ..`, which
     plain-decoding steps committed without feeding it: the target's features of those tokens
     come from a forward over its cached prefix, `chunk` tokens at a time (causal within a
-    chunk). Only the drafter's cache is written, so the target's cache and every token stay
-    as they were. Eager: its length follows the request."""
+    chunk), each with `expert_pass`'s pass for its tokens. Only the drafter's cache is
+    written, so the target's cache and every token stay as they were. Eager: its length
+    follows the request."""
     target, drafter = models.target, models.drafter
     dev = pool.target.device
     table = torch.tensor(pages, device=dev)[None]
@@ -440,16 +422,16 @@ def catch_up(models: Models, pool: KVPool, tokens: Sequence[int], start: int, pa
         scratch = torch.empty(target.cfg.num_hidden_layers, 1, n, target.cfg.kv_cache_dim,
                               dtype=target.lm_head.weight.dtype, device=dev)
         _, aux = target.verify(ids, pos, pool.target, slots, pos[:, 0], causal, scratch,
-                               models.aux_layers, models.sparse_moe, logits=False)
+                               models.aux_layers, expert_pass(n), logits=False)
         feed_drafter(drafter, pool, aux[0], pos[0], slot_of(table, pos, pool.page_size)[0])
 
 
 @torch.inference_mode()
 def spec_step(models: Models, pool: KVPool, buf: StepBuffers, shape: StepShape,
-              timer: Timer = _no_timer) -> None:
-    """One speculative step for every row of `buf` (padding rows included)."""
-    ctx_slots = None if models.attention == "paged" else table_slots(buf.page_table,
-                                                                      pool.page_size)
+              timer: Timer = _no_timer, moe: str = "aligned") -> None:
+    """One speculative step for every row of `buf` (padding rows included); its verify runs
+    the expert pass `moe` (by default the fixed-shape one a graph needs)."""
+    ctx_slots = models.attention.slots(buf.page_table, pool.page_size)
     draft_logits = None
     rows = sampled_rows(buf, shape)
     if shape.drafts:
@@ -461,8 +443,9 @@ def spec_step(models: Models, pool: KVPool, buf: StepBuffers, shape: StepShape,
         aux_layers = models.aux_layers if shape.drafts else ()
         logits, aux = models.target.verify(
             tree.tokens, tree.positions(buf.cache_len), pool.target, ctx_slots,
-            buf.cache_len, tree.visible, buf.tree_kv, aux_layers, models.sparse_moe,
-            models.prefix_for(buf, pool.page_size))
+            buf.cache_len, tree.visible, buf.tree_kv, aux_layers, moe,
+            models.attention.prefix(buf.page_table, shape.num_nodes, pool.page_size,
+                                    models.target.cfg.softmax_scale))
     with timer("decide"):
         dec = decide(logits, tree, buf, shape, rows)
         if models.tp is not None:

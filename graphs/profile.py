@@ -3,7 +3,7 @@
     python -m graphs.profile [--model DIR --draft DIR] [--batch-sizes 1,2,4,8] [--budget 16]
         [--mode tree|chain|ar] [--steps N] [--prompt-len T] [--temperature T] [--device cuda]
         [--output runs/profile/profile.json] [--tune --tune-budgets 0,2,4,8,16,32
-        --tune-temperature 0.7 --policy-out configs/budgets-cpu-t2.toml] [--tp N under torchrun]
+        --tune-temperature 0.7 --policy-out configs/budgets-cpu.toml] [--tp N under torchrun]
 
 For each batch size: capture time, graph memory, replay latency against the eager latency of the
 same step, time per phase (eager, synchronized at phase edges), tokens per step, and GPU
@@ -20,9 +20,10 @@ adds the all-reduce share of the eager step.
 `--tune` measures accepted length and step time per (greedy/sampled, batch size, budget), budget
 0 (plain decoding through the same step) included, and writes the budget policy
 (`engine.policy`) that maximizes tokens per second at each batch size, greedy and sampled (at
-`--tune-temperature`); with `--compile on`, the compiled step's policy; on the CPU, the policy of
-its thread count (`configs/budgets-cpu-compiled-t2.toml` with `--threads 2`; its compiled steps
-over a few token rows run on one thread, as the engine's do: `engine.runner.ONE_THREAD_ROWS`).
+`--tune-temperature`), to the table the engine reads for that device and execution path
+(`engine.policy.policy_path`): with `--compile on`, the compiled CPU step's
+(`configs/budgets-cpu-compiled.toml`; its compiled steps over a few token rows run on one
+thread, as the engine's do: `engine.cpu.ONE_THREAD_ROWS`).
 """
 
 from __future__ import annotations
@@ -38,30 +39,30 @@ from typing import Any
 
 import torch
 
-from bench.common import round_order
+from engine.attention import select_backend
 from engine.config import (
     DEFAULT_BUDGET,
-    DEFAULT_KERNELS,
-    CompileKernels,
     EngineConfig,
     SamplingParams,
     add_cli_args,
     int_list,
     parse_cli,
 )
+from engine.cpu import ONE_THREAD_ROWS
 from engine.dist import Group
 from engine.kv_cache import pages_needed
 from engine.llm import compiles, load_models, model_pair, resolve_device
 from engine.policy import policy_path, write_tuned
 from engine.request import Request
-from engine.runner import ONE_THREAD_ROWS, CaptureError, PhaseTimer, StepGraphRunner
+from engine.runner import CaptureError, PhaseTimer, StepGraphRunner
 from engine.scheduler import Scheduler, next_shape, run_step
 from engine.spec import StepShape
+from graphs.measure import round_order
 from graphs.telemetry import Telemetry
 
 PHASES = ("draft", "build", "verify", "decide", "commit")
 # A tune runs each batch size over at least this many batches: one batch of 16 rows is 16 prompts,
-# too few to choose by (a near-tie there in 16 prompts lost 32% in bench.spec's).
+# too few to choose by: a near-tie over 16 prompts can be another prompt mix's loss.
 TUNE_BATCHES = 3
 
 
@@ -104,7 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "text; bench.spec and bench.serve decode 64)")
     ap.add_argument("--policy-out", default=None, help="where --tune writes the budget tables "
                     "(default: the engine's default there, configs/budgets-<device>"
-                    "[-compiled][-t<threads> on the CPU].toml)")
+                    "[-compiled on the CPU].toml)")
     ap.add_argument("--no-progress", action="store_true")
     return ap
 
@@ -123,7 +124,7 @@ class Bench:
         # steps), so the ranks' collectives line up without a leader.
         self.models, _ = load_models(cfg, device, dtype, tp, progress=not a.no_progress)
         target, drafter = self.models.target, self.models.drafter
-        self.a, self.kernels = a, cfg.compile_kernels
+        self.a = a
         self.block = drafter.c.block_size if drafter else 2
         self.budget = DEFAULT_BUDGET if a.budget is None else a.budget
         budgets = a.tune_budgets if a.tune else []
@@ -140,10 +141,16 @@ class Bench:
                              f"model's {c.max_position_embeddings} positions")
         self.pool = self.models.kv_pool(a.page_size, 1 + max(a.batch_sizes) * self.max_pages,
                                         dtype, device)
+        # NOTE: attention as the engine chooses it (`--attention`), for every (batch size, tree
+        # nodes) a runner here may step: each budget, and plain decoding (lagging rows).
+        nodes = {self.shape(b).num_nodes for b in {self.budget, 0, *budgets}}
+        self.models.attention = select_backend(
+            cfg.attention, target, self.pool, [(bs, n) for bs in a.batch_sizes for n in nodes],
+            self.max_pages)
         n = max(a.batch_sizes) if not a.tune else max(tune_prompts(a, b) for b in a.batch_sizes)
         if (self.model_dir / "tiktoken.model").is_file():
+            from engine.held_out import held_out_prompts
             from engine.tokenizer import Tokenizer
-            from engine.tools.corpus import held_out_prompts
 
             tok = Tokenizer.from_dir(self.model_dir)
             self.prompts = [tok.encode(t)[-a.prompt_len:] for t in held_out_prompts(n, a.seed)]
@@ -163,8 +170,7 @@ class Bench:
         return StepGraphRunner(self.models, self.pool, self.shape(self.budget),
                                max_batch_size=max(sizes), max_pages=self.max_pages,
                                capture_sizes=sizes, use_graphs=use_graphs and cuda,
-                               budgets=budgets, compile=use_graphs and not cuda,
-                               kernels=self.kernels)
+                               budgets=budgets, compile=use_graphs and not cuda)
 
     def requests(self, bs: int, runner: StepGraphRunner, temperature: float, first: int = 0
                  ) -> list[Request]:
@@ -289,14 +295,14 @@ def profile_size(bench: Bench, bs: int, budget: int, graphs: bool, tel: Telemetr
     if graphs:
         if True not in kept:
             kept[True] = bench.runner([bs], budget, use_graphs=True)
-            if not kept[True].compile:  # a compiled step compiles its shape at its first step
+            if kept[True].compiled is None:  # a compiled step compiles at its first step
                 kept[True].capture(progress=False)
         g = kept[True]
         try:
             with tel.sampler() as smp:
                 replay = _run(g, _snapshot(start), bench.held, a.warmup, a.steps, dev, horizon)
             stats = list(g.capture_stats.values())
-            row["capture_s"] = replay["first_s"] if g.compile else sum(
+            row["capture_s"] = replay["first_s"] if g.compiled is not None else sum(
                 s["seconds"] for s in stats)
             row["graph_bytes"] = sum(s["bytes"] for s in stats)
             row["replay_ms"] = replay["median_s"] * 1e3
@@ -411,11 +417,10 @@ def main(argv: list[str] | None = None) -> int:
             tp.close()
 
 
-def _step_kind(device: torch.device, graphs: bool,
-               kernels: CompileKernels = DEFAULT_KERNELS) -> str:
+def _step_kind(device: torch.device, graphs: bool) -> str:
     if not graphs:
         return "eager"
-    return "graph replay" if device.type == "cuda" else kernels.describe()
+    return "graph replay" if device.type == "cuda" else "compiled"
 
 
 def _profile(a: argparse.Namespace, bench: Bench, device: torch.device, dtype: torch.dtype,
@@ -450,12 +455,12 @@ def _profile(a: argparse.Namespace, bench: Bench, device: torch.device, dtype: t
     if a.tune:
         compiled = graphs and device.type == "cpu"
         n = torch.get_num_threads()
-        where = a.policy_out or policy_path(device.type, compiled, n, bench.kernels)
+        where = a.policy_out or policy_path(device.type, compiled)
         threads = f"{n} threads" + (f" (one for steps of <= {ONE_THREAD_ROWS} token rows)"
                                     if compiled and n > 1 else "")
         result.update(write_tuned(where, tuned, note=(
             f"model {bench.model_dir.name}, drafter {bench.draft_dir and bench.draft_dir.name}, "
-            f"{device} {dtype}, {threads}, {_step_kind(device, graphs, bench.kernels)} step "
+            f"{device} {dtype}, {threads}, {_step_kind(device, graphs)} step "
             f"time, prompts of <= {a.prompt_len} tokens, {a.tune_tokens} new tokens each, "
             f"sampled at T = {a.tune_temperature}")))
     out = Path(a.output)

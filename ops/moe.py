@@ -35,23 +35,6 @@ def route_noaux_tc(
     return idx, w * scaling
 
 
-# Every expert on every token beats the other expert passes on a CPU while that whole pass
-# stays under this many multiply-adds, by the pass it replaces: the eager pass (`experts_sparse`,
-# grouped for few pairs; bundled model, 8 experts of 128 x 64: up to about 10 tokens) and the
-# fixed-shape aligned pass of compiled steps (`experts_aligned`, whose torch twin gathers each
-# block's expert weights: dense measured 2.8x faster at 48 tokens and still 1.5x at 512 with one
-# thread and at 768 with two; up to about 680 tokens here). A real Kimi expert bank: never.
-DENSE_MAX_MACS = {"sparse": 1 << 21, "aligned": 1 << 27}
-
-
-def dense_is_cheaper(tokens: int, experts: int, hidden: int, inter: int,
-                     instead_of: str = "sparse") -> bool:
-    """Whether `experts_dense` over `tokens` tokens costs less on a CPU than the pass it would
-    replace, `instead_of` "sparse" or "aligned": few tokens and a small expert bank, where
-    launches and weight gathers, not FLOPs, set the price."""
-    return tokens * experts * 3 * hidden * inter <= DENSE_MAX_MACS[instead_of]
-
-
 def experts_dense(x: Tensor, idx: Tensor, w: Tensor, w13: Tensor, w2: Tensor) -> Tensor:
     """Every expert on every token, combined with the routing weights (zero for unchosen experts).
 
@@ -75,21 +58,13 @@ def experts_indexed(x: Tensor, idx: Tensor, w: Tensor, w13: Tensor, w2: Tensor) 
     index the expert weights (`w13[idx]`, `w2[idx]`) inside their reductions. Compiled by
     inductor, the index is a load inside the reduction's loop, so no gathered copy of the
     weights is ever made and a step reads only the chosen experts' rows; run eagerly it would
-    copy `T * k` experts' weights (`INDEXED_MAX_PAIRS` bounds where it runs).
+    copy `T * k` experts' weights (`engine.cpu.INDEXED_MAX_PAIRS` bounds where it runs).
     `x [T, H]`, `idx/w [T, k]`, `w13 [E, 2I, H]` (gate rows then up rows), `w2 [E, H, I]`.
     """
     h = (w13[idx] * x[:, None, None, :]).sum(-1)  # [T, k, 2I]
     g, u = h.chunk(2, dim=-1)
     y = (w2[idx] * (F.silu(g) * u)[..., None, :]).sum(-1)  # [T, k, H]
     return (y.float() * w[..., None].float()).sum(1).to(x.dtype)
-
-
-# Inside an inductor compile on a CPU, a float bank's chosen experts read in place
-# (`experts_indexed`) beat every expert on every token up to this many (token, expert) pairs, and
-# then the other passes take over: bundled model (8 experts of 128 x 64, 2 a token), 15 layers
-# compiled as one graph, two threads: 1 / 5 / 48 / 384 tokens in 147 / 278 / 1617 / 13540 us
-# against 715 / 1315 / 4087 / 22095 dense.
-INDEXED_MAX_PAIRS = 768
 
 
 def experts_sparse(x: Tensor, idx: Tensor, w: Tensor, w13: Tensor, w2: Tensor) -> Tensor:
@@ -109,10 +84,8 @@ def experts_sparse(x: Tensor, idx: Tensor, w: Tensor, w13: Tensor, w2: Tensor) -
 
 # The grouped pass runs for at most this many (token, expert) pairs, padded to at most this many
 # rows per pair. On a CPU its two batched matmuls beat per-expert dispatch (a handful of ops per
-# expert) and, from about 10 tokens, every expert on every token: bundled model, two threads,
-# 17 / 30 / 54 tokens in 108 / 157 / 196 us against 149 / 216 / 320 dense and 310 / 358 / 395
-# sorted; a 288-token prefill 512 against 905 sorted, 512 tokens 729 against 1171 (one thread:
-# 968 against 991). The padding bound only binds where experts are many (Kimi: 384, 8 a token).
+# expert) and, from a few tokens on, every expert on every token; past these bounds the sorted
+# pass costs less. The padding bound only binds where experts are many (Kimi: 384, 8 a token).
 GROUPED_MAX_PAIRS = 1024
 GROUPED_MAX_WASTE = 4
 

@@ -16,8 +16,8 @@ from engine.request import Request
 from engine.runner import StepGraphRunner
 from engine.scheduler import Scheduler, next_shape, run_step, step_inputs
 from engine.spec import Models, StepShape
-from engine.tools.make_draft import make_draft
-from engine.tools.make_tiny import make_tiny
+from tools.make_draft import make_draft
+from tools.make_tiny import make_tiny
 
 BLOCK = 4
 PAGE = 4

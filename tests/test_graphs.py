@@ -8,7 +8,8 @@ import torch
 from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
 
 import engine.spec as spec
-from engine.config import CompileKernels, SamplingParams
+from engine.attention import PagedBackend, TorchBackend
+from engine.config import SamplingParams
 from engine.kv_cache import DUMMY_PAGE
 from engine.policy import PolicyError, budgets_for_sizes, load_budgets, write_budgets
 from engine.runner import CaptureError, default_capture_sizes
@@ -314,9 +315,9 @@ def test_a_request_drafts_again_after_plain_decoding(tmp_path, monkeypatch):
     lags: list[tuple[int, int]] = []
     real = spec.catch_up
 
-    def spy(models, pool, tokens, start, pages, chunk=256):
+    def spy(models, pool, tokens, start, pages, **kw):
         lags.append((start, len(tokens)))
-        real(models, pool, tokens, start, pages, chunk)
+        real(models, pool, tokens, start, pages, **kw)
 
     monkeypatch.setattr("engine.runner.catch_up", spy)
     tree = llm.generate(prompts, params)
@@ -376,66 +377,51 @@ def test_best_budgets_keep_plain_decoding_unless_a_tree_wins_by_the_margin():
     assert best_budgets(rows, margin=0.0) == {False: {1: 8, 8: 4}, True: {1: 2, 8: 4}}
 
 
-@pytest.mark.parametrize("device,compiled,threads", [
-    ("cpu", False, 2), ("cpu", True, 1), ("cpu", True, 2), ("cuda", False, None)])
-def test_shipped_budget_policy_reads(device, compiled, threads):
+@pytest.mark.parametrize("device,compiled,step", [
+    ("cpu", False, "eager step"), ("cpu", True, "compiled step"), ("cuda", False, None)])
+def test_shipped_budget_policy_reads(device, compiled, step):
     from engine.policy import default_policy, policy_path
 
-    # the CPU's tables measured (eager with two threads, compiled with one and two), CUDA's
-    # estimated by graphs.plan --tune
-    path = default_policy(device, compiled, threads)
-    assert path == policy_path(device, compiled, threads) and path.is_file()
+    # the CPU's tables measured (eager, compiled), CUDA's estimated by graphs.plan --tune
+    path = default_policy(device, compiled)
+    assert path == policy_path(device, compiled) and path.is_file()
     policy = load_budgets(path)
     assert policy[False] and policy[True]
     assert all(b >= 0 for t in policy.values() for b in t.values())
-    if threads:  # a CPU table was measured with the threads its name says
-        assert f"{threads} threads" in path.read_text()
+    if step:  # a CPU table was measured on the execution path its name says
+        assert step in path.read_text()
 
 
-def test_the_cpu_policy_is_the_one_measured_nearest_its_threads(tmp_path, monkeypatch):
+def test_one_policy_per_device_and_execution_path(tmp_path, monkeypatch):
     import engine.policy as policy
     from engine.policy import default_policy, policy_path
 
     monkeypatch.setattr(policy, "CONFIGS", tmp_path)
-    assert default_policy("cpu", True, 1) is None
-    plain = write_budgets(policy_path("cpu"), {False: {1: 4}})  # names no thread count
-    assert default_policy("cpu", True, 1) == plain == tmp_path / "budgets-cpu.toml"
-    eager = write_budgets(policy_path("cpu", False, 2), {False: {1: 4}})
-    assert default_policy("cpu", True, 1) == eager == tmp_path / "budgets-cpu-t2.toml"
-    one = write_budgets(policy_path("cpu", True, 1), {False: {1: 8}})
-    four = write_budgets(policy_path("cpu", True, 4), {False: {1: 2}})
-    assert one == tmp_path / "budgets-cpu-compiled-t1.toml"
-    assert [default_policy("cpu", True, n) for n in (1, 2, 3, 16)] == [one, one, four, four]
-    assert default_policy("cpu", False, 1) == eager  # the compiled tables are not the eager's
-    # a step whose kernels a C++ wrapper calls reads its own tables, else the Python wrapper's
-    wrapped, both = CompileKernels("cpp"), CompileKernels("cpp", "cpp")
-    assert default_policy("cpu", True, 1, wrapped) == one
-    cpp = write_budgets(policy_path("cpu", True, 2, wrapped), {False: {1: 4}})
-    assert cpp == tmp_path / "budgets-cpu-compiled-cpp-t2.toml"
-    assert [default_policy("cpu", True, n, wrapped) for n in (1, 16)] == [cpp, cpp]
-    # C++ GEMMs read their own tables, else their wrapper's, else the defaults'
-    assert default_policy("cpu", True, 1, both) == cpp
-    assert default_policy("cpu", True, 1, CompileKernels("python", "cpp")) == one
-    gemm = write_budgets(policy_path("cpu", True, 1, both), {False: {1: 2}})
-    assert gemm == tmp_path / "budgets-cpu-compiled-cpp-cppgemm-t1.toml"
-    assert default_policy("cpu", True, 1, both) == gemm
-    assert default_policy("cpu", True, 1) == one and default_policy("cpu", False, 1) == eager
-    monkeypatch.setattr(policy.torch, "get_num_threads", lambda: 5)
-    assert default_policy("cpu", True) == four  # by default, this thread's count
+    assert default_policy("cpu", True) is None and default_policy("cpu") is None
+    eager = write_budgets(policy_path("cpu"), {False: {1: 4}})
+    assert eager == tmp_path / "budgets-cpu.toml" and default_policy("cpu") == eager
+    assert default_policy("cpu", True) is None  # the eager table is not the compiled step's
+    compiled = write_budgets(policy_path("cpu", True), {False: {1: 8}})
+    assert compiled == tmp_path / "budgets-cpu-compiled.toml"
+    assert default_policy("cpu", True) == compiled and default_policy("cpu") == eager
     assert default_policy("cuda") is None
-    assert policy_path("cuda", False, 2).name == "budgets-cuda.toml"  # no counts off the CPU
+    assert policy_path("cuda").name == "budgets-cuda.toml"
 
 
-def test_planner_runs_outside_the_step_with_the_loaded_host_inputs(models):
+def test_planner_runs_outside_the_step_with_the_loaded_host_inputs(models, monkeypatch):
     shape = StepShape("tree", 6, BLOCK, False)
     pool = make_pool(models)
     calls = []
 
-    def planner(page_table, cache_len, num_queries):
-        calls.append((page_table.device.type, page_table[:, 0].tolist(), cache_len.tolist(),
-                      num_queries))
+    class Planning(TorchBackend):
+        plans = True
 
-    runner = runner_for(models, pool, shape, [4], planner=planner)
+        def plan(self, page_table, cache_len, num_queries):
+            calls.append((page_table.device.type, page_table[:, 0].tolist(),
+                          cache_len.tolist(), num_queries))
+
+    monkeypatch.setattr(models, "attention", Planning())
+    runner = runner_for(models, pool, shape, [4])
     reqs = prefilled(models, pool, shape, PROMPTS, _params(False))
     step(runner, reqs)
     assert calls == [("cpu", [r.pages[0] for r in reqs] + [DUMMY_PAGE],
@@ -474,32 +460,29 @@ def test_step_with_paged_attention_and_aligned_experts_runs_on_fake_tensors(
         models, monkeypatch, attention, moe, sample):
     """The paged attention ops (target prefix, drafter context) and the expert bank over
     aligned blocks keep the step free of host syncs and data-dependent shapes."""
-    import engine.models.kimi as kimi
-
-    monkeypatch.setattr(models, "attention", attention)
-    if moe == "aligned":
-        monkeypatch.setattr(kimi, "dense_is_cheaper", lambda *a: False)
+    monkeypatch.setattr(models, "attention",
+                        {"torch": TorchBackend, "paged": PagedBackend}[attention]())
     shape = StepShape("tree", 6, BLOCK, sample)
     pool, buf = _fake_inputs(models, shape)
-    run_on_fake(spec_step, models, pool, buf, shape)
+    run_on_fake(spec_step, models, pool, buf, shape, moe=moe)
 
 
 def test_paged_attention_and_aligned_experts_keep_greedy_output(tmp_path, monkeypatch):
     """Reading the caches in place and running only the chosen experts at fixed shapes give the
     tokens the gathered, dense step gives."""
-    import engine.models.kimi as kimi
     from engine import LLM
+    from engine.spec import sparse_pass
 
     target, draft = write_pair(tmp_path)
     prompts = [[5, 6, 7], list(range(20, 45)), [9] * 11]
     params = SamplingParams(max_new_tokens=16, ignore_eos=True)
     ref = LLM(target, draft, mode="tree", budget=5, max_batch_size=2, progress=False,
               attention="torch").generate(prompts, params)
-    monkeypatch.setattr(kimi, "dense_is_cheaper", lambda *a: False)
     llm = LLM(target, draft, mode="tree", budget=5, max_batch_size=2, progress=False,
               attention="triton")
-    llm.models.sparse_moe = False  # as in a captured step: experts over aligned blocks
-    assert llm.models.attention == "paged"
+    # as in a captured step: experts over aligned blocks (prefills: each token's own experts)
+    llm.runner.expert_pass, llm.runner.eager_pass = (lambda n: "aligned"), sparse_pass
+    assert llm.models.attention.name == "paged"
     got = llm.generate(prompts, params)
     assert [o.token_ids for o in got] == [o.token_ids for o in ref]
 
@@ -508,9 +491,8 @@ def test_paged_attention_and_aligned_experts_keep_greedy_output(tmp_path, monkey
 def test_step_with_quantized_weights_runs_on_fake_tensors(tmp_path, monkeypatch, quant):
     """INT4 expert banks (kimi::moe_experts_w4a16 over aligned blocks) and FP8 linears and
     banks (kimi::fp8_linear, per-call dequantization) keep the step graph-safe."""
-    import engine.models.kimi as kimi
-    from engine.tools.make_draft import make_draft
-    from engine.tools.make_tiny import make_tiny
+    from tools.make_draft import make_draft
+    from tools.make_tiny import make_tiny
 
     t = make_tiny(tmp_path / "t", dtype="fp32", int4_experts=quant == "int4",
                   fp8=quant == "fp8", moe_intermediate_size=128)
@@ -518,8 +500,7 @@ def test_step_with_quantized_weights_runs_on_fake_tensors(tmp_path, monkeypatch,
     models = load_models(t, d)
     bank = models.target.model.layers[1].mlp.experts
     assert bank.fmt == quant
-    monkeypatch.setattr(kimi, "dense_is_cheaper", lambda *a: False)
-    monkeypatch.setattr(models, "attention", "paged")
+    monkeypatch.setattr(models, "attention", PagedBackend())
     for sample in (False, True):
         shape = StepShape("tree", 6, BLOCK, sample)
         pool, buf = _fake_inputs(models, shape)

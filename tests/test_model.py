@@ -27,7 +27,7 @@ def test_logits_match_transformers(pair, T):
         ref = hf(ids).logits
     got, _ = ours(ids)
     assert (ref - got).abs().max().item() < 1e-4
-    got_sparse, _ = ours(ids, sparse_moe=True)
+    got_sparse, _ = ours(ids, moe="sparse")
     assert (ref - got_sparse).abs().max().item() < 1e-4
 
 
@@ -83,7 +83,7 @@ def test_greedy_ar_equals_transformers_generate(pair, tmp_path):
 def test_make_tiny_loads_in_transformers_with_same_logits(tmp_path):
     from transformers import DeepseekV3ForCausalLM
 
-    from engine.tools.make_tiny import make_tiny
+    from tools.make_tiny import make_tiny
 
     d = make_tiny(tmp_path / "t", dtype="fp32", layers=3, n_group=2, topk_group=1, shards=2)
     hf = DeepseekV3ForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
@@ -98,8 +98,8 @@ def test_int4_experts_model_matches_dequantized_model(tmp_path):
     import json
 
     from engine.config import ModelConfig
-    from engine.tools.make_tiny import make_tiny, save_checkpoint
     from ops.quant import dequant_int4
+    from tools.make_tiny import make_tiny, save_checkpoint
 
     q = make_tiny(tmp_path / "q", dtype="fp32", int4_experts=True)
     cfg = ModelConfig.from_dir(q)
@@ -168,7 +168,8 @@ def test_joint_attention_equals_prefix_tree_merge():
 
 
 def test_dense_expert_pass_equals_sparse_dispatch_and_is_taken_only_when_small():
-    from ops.moe import dense_is_cheaper, experts_dense, experts_sparse, route_noaux_tc
+    from engine.cpu import dense_is_cheaper
+    from ops.moe import experts_dense, experts_sparse, route_noaux_tc
 
     g = torch.Generator().manual_seed(0)
     E, H, inter, T = 8, 32, 16, 9
@@ -209,25 +210,28 @@ def test_indexed_expert_pass_equals_dense(dtype):
     torch.testing.assert_close(compiled(x, idx, w, w13, w2).float(), want, **tol)
 
 
-def test_expert_pass_indexes_a_float_bank_only_inside_a_compile(pair, monkeypatch):
-    """Eager forwards keep the sparse / dense / aligned choice; inside a compile on the CPU a
-    float bank's chosen experts are read in place, up to INDEXED_MAX_PAIRS pairs; a quantized
-    bank never is (it would dequantize every pair's expert)."""
-    from ops.moe import INDEXED_MAX_PAIRS
+def test_the_cpu_expert_passes(pair, tmp_path, monkeypatch):
+    """The CPU's expert pass for a forward of n tokens (`engine.cpu`): eagerly, each token
+    through its chosen experts (every expert where that costs less), never the indexed pass;
+    compiled, a float bank's chosen experts read in place up to INDEXED_MAX_PAIRS pairs, then
+    the aligned pass or every expert; a quantized bank never reads in place (it would
+    dequantize every pair's expert)."""
+    from engine.cpu import INDEXED_MAX_PAIRS, CompiledCPUSteps, eager_expert_pass
+    from engine.spec import Models
 
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
     _, model, _ = pair
     k = model.cfg.num_experts_per_tok
-    eager = {(n, s, f): model.expert_pass(n, s, f) for n in (1, 5, 300)
-             for s, f in ((True, "dense"), (False, "dense"), (False, "aligned"))}
-    assert "indexed" not in eager.values()
-    assert eager[(300, True, "dense")] == "sparse" and eager[(5, False, "dense")] == "dense"
-    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
-    for fixed in ("dense", "aligned"):
-        assert model.expert_pass(5, False, fixed) == "indexed"
-        assert model.expert_pass(INDEXED_MAX_PAIRS // k, False, fixed) == "indexed"
-        assert model.expert_pass(INDEXED_MAX_PAIRS // k + 1, False, fixed) != "indexed"
-    monkeypatch.setattr(model._expert_bank(), "fmt", "int4")
-    assert model.expert_pass(5, False, "aligned") == "aligned"
+    eager = eager_expert_pass(model)
+    assert eager(1) == "dense" and eager(300) == "sparse"
+    assert "indexed" not in {eager(n) for n in (1, 5, 300, 5000)}
+    compiled = CompiledCPUSteps(Models(model), None, threads=2)
+    assert compiled.expert_pass(5) == "indexed"
+    assert compiled.expert_pass(INDEXED_MAX_PAIRS // k) == "indexed"
+    assert compiled.expert_pass(INDEXED_MAX_PAIRS // k + 1) in ("dense", "aligned")
+    monkeypatch.setattr(model.expert_bank(), "fmt", "int4")
+    assert CompiledCPUSteps(Models(model), None, threads=2).expert_pass(5) == "aligned"
+    assert eager_expert_pass(model)(1) == "sparse"
 
 
 def test_gemm_layout_keeps_the_values_and_every_forward(pair):
@@ -235,7 +239,8 @@ def test_gemm_layout_keeps_the_values_and_every_forward(pair):
     stored column-major, a tied embedding left as it is, every forward as before."""
     from torch import nn
 
-    from engine.models.layers import ExpertBank, gemm_layout
+    from engine.cpu import gemm_layout
+    from engine.models.layers import ExpertBank
 
     _, model, d = pair
     cm = KimiForCausalLM.from_dir(d, progress=False)
@@ -256,9 +261,9 @@ def test_gemm_layout_keeps_the_values_and_every_forward(pair):
         assert torch.equal(a, b), name
     ids = torch.randint(0, model.cfg.vocab_size, (2, 9), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
-        for sparse in (False, True):
-            torch.testing.assert_close(cm(ids, sparse_moe=sparse)[0],
-                                       model(ids, sparse_moe=sparse)[0], rtol=1e-5, atol=1e-5)
+        for moe in ("dense", "sparse"):
+            torch.testing.assert_close(cm(ids, moe=moe)[0], model(ids, moe=moe)[0],
+                                       rtol=1e-5, atol=1e-5)
 
 
 def test_eager_steps_load_the_gemm_layout_and_compiled_ones_the_stored():

@@ -44,7 +44,7 @@ from engine.models.layers import (
 )
 from engine.weights import load_checkpoint
 from ops.attention import PrefixKernel, absorbed_attention, joint_bias, mla_naive
-from ops.moe import INDEXED_MAX_PAIRS, dense_is_cheaper, route_noaux_tc
+from ops.moe import route_noaux_tc
 from ops.rope import apply_rope_interleaved, rope_cos_sin, rope_frequencies
 
 # (attention module, normed hidden states, layer index) -> (attention output, extra)
@@ -160,7 +160,7 @@ class MLA(nn.Module):
         return w[:, :c.qk_nope_head_dim], w[:, c.qk_nope_head_dim:]  # W_UK, W_UV: [nh, D, R]
 
     def forward_absorbed(
-        self, x: Tensor, cos: Tensor, sin: Tensor, kv_cache: Tensor, slots: Tensor,
+        self, x: Tensor, cos: Tensor, sin: Tensor, kv_cache: Tensor, slots: Tensor | None,
         ctx_len: Tensor, visible: Tensor, tree_kv_out: Tensor, prefix: PrefixKernel | None = None,
         bias: Tensor | None = None,
     ) -> Tensor:
@@ -279,46 +279,15 @@ class KimiForCausalLM(nn.Module):
 
     # ---- forwards --------------------------------------------------------------------------------
 
-    def _expert_bank(self) -> ExpertBank | None:
+    def expert_bank(self) -> ExpertBank | None:
+        """This rank's first routed expert bank (every MoE layer's has the same shape)."""
         return next((b.mlp.experts for b in self.model.layers if isinstance(b.mlp, MoE)), None)
-
-    def dense_moe_is_cheaper(self, tokens: int, instead_of: str) -> bool:
-        """Whether every expert on each of `tokens` tokens costs less than the expert pass
-        `instead_of` ("sparse" or "aligned") for this rank's bank (`ops.moe.dense_is_cheaper`;
-        never for a quantized bank, which would dequantize whole; always without one)."""
-        bank = self._expert_bank()
-        return bank is None or bank.fmt is None and dense_is_cheaper(
-            tokens, bank.num_experts, bank.hidden, bank.inter, instead_of)
-
-    def indexed_max_tokens(self) -> int | None:
-        """The most tokens a forward that inductor compiles sends through the chosen experts
-        read in place (`ops.moe.experts_indexed`): `ops.moe.INDEXED_MAX_PAIRS` (token, expert)
-        pairs of a float bank on the CPU; None where that pass never runs."""
-        bank = self._expert_bank()
-        if bank is None or bank.fmt is not None or bank.w13.device.type != "cpu":
-            return None
-        return INDEXED_MAX_PAIRS // self.cfg.num_experts_per_tok
-
-    def expert_pass(self, tokens: int, sparse_moe: bool, fixed: str) -> str:
-        """How the expert banks dispatch `tokens` tokens (`ExpertBank.forward`'s mode): inside
-        an inductor compile, the chosen experts read in place up to `indexed_max_tokens` (only
-        a compile fuses that pass); else the eager-only sparse pass if `sparse_moe`, or `fixed`
-        ("dense" or "aligned"), and every expert on every token where that costs less
-        (`dense_moe_is_cheaper`)."""
-        if not sparse_moe and torch.compiler.is_compiling():
-            most = self.indexed_max_tokens()
-            if most is not None and tokens <= most:
-                return "indexed"
-        moe = "sparse" if sparse_moe else fixed
-        if moe != "dense" and self.dense_moe_is_cheaper(tokens, moe):
-            moe = "dense"
-        return moe
 
     def _rope(self, positions: Tensor) -> tuple[Tensor, Tensor]:
         return rope_cos_sin(positions, self.inv_freq, self.rope_amplitude)
 
     def forward(
-        self, input_ids: Tensor, aux_layers: Sequence[int] = (), sparse_moe: bool = False,
+        self, input_ids: Tensor, aux_layers: Sequence[int] = (), moe: str = "dense",
         logits_rows: Tensor | None = None, cache_rows_out: list[Tensor] | None = None,
     ) -> tuple[Tensor, Tensor | None]:
         """Naive causal forward over `input_ids [B, T]` at positions `0..T-1`, no cache.
@@ -326,12 +295,10 @@ class KimiForCausalLM(nn.Module):
         Returns logits `[B, T, V]` (or only at `logits_rows [B, R]` when given) and the
         concatenated outputs of decoder layers `aux_layers` `[B, T, n * H]` (None if empty).
         When `cache_rows_out` is a list, each layer's latent cache rows `[B, T, R + P]` are
-        appended to it (the prefill stores them in the paged cache). `sparse_moe` sends each
-        token through its chosen experts only (eager) unless every expert on every token costs
-        less (`dense_moe_is_cheaper`), else every expert runs on every token (`expert_pass`).
+        appended to it (the prefill stores them in the paged cache). `moe`: how the expert
+        banks dispatch (`ExpertBank.forward`'s mode), as the caller chose it.
         """
         B, T = input_ids.shape
-        moe = self.expert_pass(B * T, sparse_moe, "dense")
         pos = torch.arange(T, device=input_ids.device).expand(B, T)
         cos, sin = self._rope(pos)
 
@@ -352,26 +319,25 @@ class KimiForCausalLM(nn.Module):
         return logits, (torch.cat(aux, dim=-1) if aux else None)
 
     def verify(
-        self, tokens: Tensor, positions: Tensor, kv_cache: Tensor, slots: Tensor,
+        self, tokens: Tensor, positions: Tensor, kv_cache: Tensor, slots: Tensor | None,
         ctx_len: Tensor, visible: Tensor, tree_kv_out: Tensor, aux_layers: Sequence[int] = (),
-        sparse_moe: bool = False, prefix: PrefixKernel | None = None, logits: bool = True,
+        moe: str = "aligned", prefix: PrefixKernel | None = None, logits: bool = True,
     ) -> tuple[Tensor | None, Tensor | None]:
         """Absorbed forward of `Q` query tokens per request against the paged latent cache.
 
         `tokens, positions [bs, Q]`; `kv_cache [layers, num_slots, R + P]`; `slots [bs, C]` maps
-        context position -> cache slot for positions `< ctx_len [bs]`; `visible [bs, Q, Q]` says
+        context position -> cache slot for positions `< ctx_len [bs]` (None where `prefix` reads
+        the pages itself); `visible [bs, Q, Q]` says
         which query tokens each query sees (itself included); `tree_kv_out [layers, bs, Q, R + P]`
         receives the queries' own cache rows (the commit copies the accepted ones into the
         cache). Returns logits `[bs, Q, V]` (fp32) and the aux-layer features `[bs, Q, n * H]`.
-        `sparse_moe` allows the eager-only expert dispatch (data-dependent shapes); else the
-        fixed-shape one over aligned blocks runs; either way every expert on every row when
-        that dense pass is cheaper for this many rows of this rank's float bank
-        (`ops.moe.dense_is_cheaper`; a quantized bank would dequantize whole), and compiled on
-        a CPU the chosen experts read in place (`expert_pass`). `prefix` a
-        planned prefix-attention kernel (one plan serves every layer). `logits=False` returns
-        no logits and stops after the last aux layer (the features alone).
+        `moe`: how the expert banks dispatch (`ExpertBank.forward`'s mode), as the caller chose
+        it (by default the fixed-shape pass over aligned blocks, which graphs need). `prefix`:
+        the step's prefix-attention kernel (the attention backend's; one serves every layer), or
+        None for one softmax over the gathered `slots` and the queries' own rows.
+        `logits=False` returns no logits and stops after the last aux layer (the features
+        alone).
         """
-        moe = self.expert_pass(tokens.numel(), sparse_moe, "aligned")
         cos, sin = self._rope(positions)
         heads = self.model.layers[0].self_attn.num_heads
         bias = joint_bias(slots, ctx_len, visible, heads) if prefix is None else None

@@ -135,30 +135,6 @@ def cast_parameters(model: nn.Module, dtype: torch.dtype) -> None:
                 m._parameters[name] = done[id(p)]
 
 
-def column_major(t: Tensor) -> Tensor:
-    """`t [..., rows, cols]` with the same values, stored column-major in its last two dims."""
-    return t.transpose(-1, -2).contiguous().transpose(-1, -2)
-
-
-def gemm_layout(model: nn.Module) -> None:
-    """Store `model`'s float linear weights column-major, in place (the same values): the
-    eager CPU step's layout. The CPU's GEMM computes `x @ W.T` 1.2-2x faster from a weight
-    stored that way for most of a step's products (this repository's shapes, 1 to 54 rows); the
-    default job ran 22% (tree) and 27% (ar) more tokens per second, every output unchanged.
-    Weights an embedding shares keep their rows (a lookup reads them); quantized ones are not
-    touched."""
-    shared = {id(m.weight) for m in model.modules() if isinstance(m, VocabParallelEmbedding)}
-    for m in model.modules():
-        if isinstance(m, nn.Linear) and m.weight.is_floating_point() and id(m.weight) not in shared:
-            m.weight.data = column_major(m.weight.data)
-        elif isinstance(m, ExpertBank) and m.fmt is None:
-            # NOTE: w13 column-major as the one `[E * 2I, H]` matrix the dense pass multiplies
-            # (its reshape stays a view); w2 per expert, as `bmm` and each expert's linear read it
-            E, I2, H = m.w13.shape
-            m.w13.data = column_major(m.w13.data.reshape(E * I2, H)).view(E, I2, H)
-            m.w2.data = column_major(m.w2.data)
-
-
 def linear(in_features: int, out_features: int, tp: Group | None = None, split: int | None = None,
            reduce: bool = True, fp8: tuple[int, int] | None = None) -> nn.Module:
     """A bias-free linear: replicated (`split` None), column-parallel (0) or row-parallel (1,
@@ -349,7 +325,8 @@ class ExpertBank(nn.Module):
         dequantized whole); "aligned" runs only the chosen experts at fixed shapes
         (`ops.moe.moe_align_block_size`; Triton on CUDA), a quantized bank dequantizing only
         those; "indexed" runs only the chosen experts at fixed shapes with their weights read in
-        place (`ops.moe.experts_indexed`: a plain bank, compiled by inductor)."""
+        place (`ops.moe.experts_indexed`: a plain bank; what a compiled CPU step runs). The
+        caller chooses (`engine.runner`, `engine.cpu`)."""
         if mode == "indexed":
             if self.fmt is not None:
                 raise ValueError(f"the indexed expert pass reads plain weights, not {self.fmt}")
