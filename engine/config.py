@@ -18,52 +18,22 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BeforeValidator, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    AfterValidator,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    model_validator,
+)
 from pydantic.dataclasses import dataclass as checked_dataclass
 
+from engine.memory import CPU_MEMORY_SHARE, GPU_MEMORY_UTILIZATION, parse_size
 from ops.yarn import yarn_m
 
 # Step modes: a DDTree, the drafter's argmax chain, or plain one-token decoding.
 Mode = Literal["tree", "chain", "ar"]
 MODES = typing.get_args(Mode)
-# How a compiled CPU step calls its kernels: inductor's generated Python, or C++ (`cpp_wrapper`).
-CompileWrapper = Literal["python", "cpp"]
-COMPILE_WRAPPERS = typing.get_args(CompileWrapper)
-# How a compiled CPU step multiplies matrices: the matmul library's calls (aten), or inductor's
-# C++ GEMM template over weights frozen into the graph, autotuned against them (cpp).
-CompileGemm = Literal["aten", "cpp"]
-COMPILE_GEMMS = typing.get_args(CompileGemm)
-
-
-class CompileKernels(typing.NamedTuple):
-    """How a compiled CPU step's kernels are called (`wrapper`) and how it multiplies matrices
-    (`gemm`): what a step costs, and so which budget table fits it, depends on both."""
-
-    wrapper: CompileWrapper = "python"
-    gemm: CompileGemm = "aten"
-
-    def check(self) -> CompileKernels:
-        if self.wrapper not in COMPILE_WRAPPERS:
-            raise ValueError(f"compile wrapper {self.wrapper!r}: expected one of "
-                             f"{COMPILE_WRAPPERS}")
-        if self.gemm not in COMPILE_GEMMS:
-            raise ValueError(f"compile gemm {self.gemm!r}: expected one of {COMPILE_GEMMS}")
-        return self
-
-    @property
-    def suffix(self) -> str:
-        """What a budget table's file name adds for these kernels (none for the defaults)."""
-        return ("-cpp" if self.wrapper == "cpp" else "") + (
-            "-cppgemm" if self.gemm == "cpp" else "")
-
-    def describe(self) -> str:
-        parts = (["C++ wrapper"] if self.wrapper == "cpp" else []) + (
-            ["C++ GEMMs"] if self.gemm == "cpp" else [])
-        return "compiled" + (f" ({', '.join(parts)})" if parts else "")
-
-
-DEFAULT_KERNELS = CompileKernels()
-
 DEFAULT_BUDGET = 16  # tree nodes besides the root, without --budget or a budget policy
 # `generate --compile auto` compiles when its prompts ask for at least this many new tokens in
 # all: about what pays back compiling its steps from a warm cache on a small CPU.
@@ -445,18 +415,28 @@ class DraftConfig:
 
 # ---- request and engine knobs ------------------------------------------------------------------
 # Field types the server's request bodies reuse, so a range is declared once.
-Temperature = Annotated[float, Field(ge=0, allow_inf_nan=False)]
+# NOTE: every value here reaches a step buffer (temperature, top_p: float32; top_k: int64), so
+# each range keeps it representable there: finite, within float32, within int64.
+Temperature = Annotated[float, Field(ge=0, le=1e6, allow_inf_nan=False)]
 TopP = Annotated[float, Field(gt=0, le=1, allow_inf_nan=False)]
-TopK = Annotated[int, Field(ge=-1)]
+TopK = Annotated[int, Field(ge=-1, le=2**63 - 1)]
+# Temperatures below this sample as greedy (vLLM's _SAMPLING_EPS): dividing logits by less
+# overflows float32 into inf and NaN.
+SAMPLING_EPS = 1e-5
 Seed = Annotated[int, Field(ge=-(2**63), le=2**64 - 1)]  # what a 64-bit seed holds
 StopString = Annotated[str, Field(min_length=1)]
 _STRICT = ConfigDict(strict=True)
 _AS_TUPLE = BeforeValidator(lambda v: tuple(v) if isinstance(v, list) else v)  # TOML arrays
+# A memory size as given (`16GB`, `8GiB`, bytes), checked here and read by `engine.memory`.
+MemorySize = Annotated[
+    str, BeforeValidator(lambda v: str(v) if isinstance(v, int) and not isinstance(v, bool) else v),
+    AfterValidator(lambda v: (parse_size(v), v)[1])]
 
 
 @checked_dataclass(frozen=True, config=_STRICT)
 class SamplingParams:
-    """Per-request sampling. temperature 0 means greedy; top_k -1 (or 0) means no top-k."""
+    """Per-request sampling. temperature 0 (or below SAMPLING_EPS) means greedy; top_k -1 (or 0,
+    or at least the vocabulary) means no top-k."""
 
     temperature: Temperature = Field(0.0, description="0: greedy")
     top_p: TopP = Field(1.0, description="nucleus mass kept (1: off)")
@@ -468,7 +448,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0 or self.top_k == 1
+        return self.temperature < SAMPLING_EPS or self.top_k == 1
 
 
 @checked_dataclass(frozen=True, config=_STRICT)
@@ -489,7 +469,8 @@ class EngineConfig:
                           "(default: the budget policy, else 16)")
     budget_policy: str | None = Field(
         None, description="TOML tables of the tree budget per batch size, greedy and sampled "
-                          "(default: configs/budgets-<device>.toml where one was measured)")
+                          "(default: configs/budgets-<device>[-compiled].toml, the table of the "
+                          "step's device and execution path)")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: CUDA when "
                                                                        "present, else the CPU")
     dtype: DType = Field(
@@ -499,7 +480,17 @@ class EngineConfig:
     max_model_len: Annotated[int, Field(ge=2)] | None = Field(
         None, description="context limit (default: the model's max_position_embeddings)")
     kv_pages: Annotated[int, Field(ge=2)] | None = Field(
-        None, description="KV pool pages (default: every batch slot at full context)")
+        None, description="KV pool pages (default: what the memory left after the weights "
+                          "holds, see --gpu-memory-utilization and --cpu-memory-budget, at most "
+                          "every batch slot at full context)")
+    gpu_memory_utilization: Annotated[float, Field(gt=0, le=1)] = Field(
+        GPU_MEMORY_UTILIZATION, description="share of the GPU's memory the engine may take "
+                                            "(weights, KV pool, activations): sizes the KV "
+                                            "pool unless --kv-pages")
+    cpu_memory_budget: MemorySize | None = Field(
+        None, description=f"memory the engine may take on the CPU (16GB, 8GiB or bytes): "
+                          f"sizes the KV pool unless --kv-pages (default: "
+                          f"{CPU_MEMORY_SHARE} x MemAvailable at start)")
     capture_sizes: Annotated[tuple[Annotated[int, Field(ge=1)], ...], _AS_TUPLE] | None = Field(
         None, description="batch sizes with a step graph, comma-separated (default: 1, 2, "
                           "4, 8, 16, 24, 32, 48, ... up to --max-batch-size)")
@@ -518,27 +509,13 @@ class EngineConfig:
         30.0, description="seconds without a heartbeat from a peer rank before exiting")
     compile: Literal["auto", "on", "off"] = Field(
         "auto", description="torch.compile the step on the CPU, one graph per batch size and "
-                            "step kind (inductor's cache: ~/.cache/kimi-spec); auto: on for "
-                            f"serve, on for generate when its prompts ask for at least "
+                            "step kind, compiled before the first request (inductor's cache: "
+                            "~/.cache/kimi-spec); auto: off for serve (on compiles its steps at "
+                            f"start), on for generate when its prompts ask for at least "
                             f"{COMPILE_MIN_TOKENS:,} new tokens, off elsewhere; CUDA "
                             f"captures graphs instead")
-    compile_wrapper: CompileWrapper = Field(
-        "python", description="how a compiled step calls its kernels: inductor's generated "
-                              "python, or a C++ wrapper (cpp: 1.5-2x the tokens/s at one "
-                              "row, both modes; cold compiles twice as long; the shipped "
-                              "budget tables were measured with python)")
-    compile_gemm: CompileGemm = Field(
-        "aten", description="how a compiled step multiplies matrices: the matmul library "
-                            "(aten), or inductor's C++ GEMM template over weights frozen into "
-                            "each graph, autotuned (cpp: about 1.9x ar's tokens/s and 1.4x a "
-                            "tree's at one row; cold compiles twice as long; a copy of the "
-                            "weights per graph)")
     # Not a flag: None lets the runner use CUDA graphs exactly when the device is CUDA.
     use_graphs: bool | None = Field(None, json_schema_extra={"cli": False})
-
-    @property
-    def compile_kernels(self) -> CompileKernels:
-        return CompileKernels(self.compile_wrapper, self.compile_gemm)
 
     @model_validator(mode="after")
     def _one_budget_source(self) -> EngineConfig:

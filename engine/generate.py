@@ -196,6 +196,21 @@ class Output:
         self.partial.unlink(missing_ok=True)
 
 
+def _refusals(llm: Any, items: list[tuple[dict[str, Any], SamplingParams]]
+              ) -> list[tuple[int, str]]:
+    """Every prompt of `items` the engine refuses (too long for --max-model-len or the KV pool,
+    ...) with why, so one run names them all; nothing runs."""
+    from engine.request import Request
+
+    out = []
+    for i, (p, sp) in enumerate(items):
+        try:
+            llm.scheduler.check(Request(-1, llm.encode_prompt(p), sp))
+        except ValueError as e:
+            out.append((i, str(e)))
+    return out
+
+
 def _generate(a: argparse.Namespace, llm: Any, items: list[tuple[dict[str, Any], SamplingParams]],
               out: Output | None) -> int:
     from engine.llm import PromptError
@@ -206,7 +221,8 @@ def _generate(a: argparse.Namespace, llm: Any, items: list[tuple[dict[str, Any],
                             on_output=out.add)
     except PromptError as e:  # raised before anything ran
         out.discard()
-        print(f"error: {a.prompts}:{e.index + 1}: {e.message}", file=sys.stderr)
+        for i, why in _refusals(llm, items) or [(e.index, e.message)]:
+            print(f"error: {a.prompts}:{i + 1}: {why}", file=sys.stderr)
         return 2
     except BaseException:
         out.file.close()

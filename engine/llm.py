@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
 import time
 from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, field, replace
@@ -12,17 +13,28 @@ from typing import Any
 
 import torch
 
-from engine.config import DEFAULT_BUDGET, EngineConfig, SamplingParams
+from engine.config import DEFAULT_BUDGET, EngineConfig, ModelConfig, SamplingParams
+from engine.cpu import gemm_layout
 from engine.dist import Group
 from engine.kv_cache import pages_needed
 from engine.leader import AnnouncingRunner, End, Stop, follow
+from engine.memory import (
+    CPU_MEMORY_SHARE,
+    KVMemoryError,
+    PoolSize,
+    activation_reserve,
+    checkpoint_bytes,
+    default_cpu_budget,
+    gb,
+    parse_size,
+    size_kv_pool,
+)
 from engine.models.dflash import DFlashDrafter
 from engine.models.kimi import KimiForCausalLM
-from engine.models.layers import gemm_layout
 from engine.policy import default_policy, load_budgets
 from engine.request import Request
 from engine.runner import PhaseTimer, StepGraphRunner
-from engine.scheduler import Scheduler
+from engine.scheduler import PREFILL_TOKENS, Scheduler
 from engine.spec import Models, StepShape
 from engine.tokenizer import Tokenizer
 
@@ -82,23 +94,62 @@ def load_models(cfg: EngineConfig, device: torch.device, dtype: torch.dtype,
     if not (model / "config.json").is_file():
         raise FileNotFoundError(
             f"{model}: no model here (config.json missing). Pass --model DIR, or write a small "
-            f"random one with `python -m engine.tools.make_tiny --out DIR`.")
+            f"random one with `python -m tools.make_tiny --out DIR`.")
     if cfg.mode != "ar" and (draft is None or not (draft / "config.json").is_file()):
         raise FileNotFoundError(
             f"mode {cfg.mode!r} needs a drafter: {draft or '(none given)'} has no config.json. "
-            f"Pass --draft DIR (`python -m engine.tools.make_draft --target DIR --out DIR`) or "
+            f"Pass --draft DIR (`python -m tools.make_draft --target DIR --out DIR`) or "
             f"use --mode ar.")
     target = KimiForCausalLM.from_dir(model, device, dtype, progress=progress, tp=tp)
     drafter = (DFlashDrafter.from_dir(draft, target.cfg.hidden_size, device, dtype, tp=tp,
                                       rope_amplitude=cfg.draft_rope_amplitude)
                if cfg.mode != "ar" else None)
     if device.type == "cpu" and not compiles(cfg, device):
-        # NOTE: only the eager step: compiled, plain steps gained 9% from this layout and
-        # trees 0-1% (bs 1), which moves the compiled budget tables, measured without it.
+        # NOTE: only the eager step's layout: the compiled step's budget table was measured
+        # with the weights as stored.
         for m in (target, drafter):
             if m is not None:
                 gemm_layout(m)
     return Models(target, drafter, tp=tp), model
+
+
+def memory_budget(cfg: EngineConfig, device: torch.device) -> tuple[int | None, int, str]:
+    """The memory the engine may take on `device` (`engine.memory`'s budget; None: unknown),
+    the bytes in use there now (on CUDA, as `mem_get_info` says: weights, context, other
+    processes; 0 on the CPU, whose caller counts the weights) and where the budget came from."""
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        u = cfg.gpu_memory_utilization
+        return int(total * u), total - free, f"--gpu-memory-utilization {u} of {gb(total)}"
+    if cfg.cpu_memory_budget is not None:
+        return (parse_size(cfg.cpu_memory_budget), 0,
+                f"--cpu-memory-budget {cfg.cpu_memory_budget}")
+    b = default_cpu_budget()
+    return b, 0, f"--cpu-memory-budget default, {CPU_MEMORY_SHARE} x MemAvailable"
+
+
+def check_fits(cfg: EngineConfig, device: torch.device, dtype: torch.dtype,
+               budget: tuple[int | None, int, str]) -> None:
+    """Before loading anything: raise `engine.memory.KVMemoryError` when not even one full
+    context fits beside the weights (as stored, split over the ranks: a lower bound) in
+    `budget` (`memory_budget`'s). Nothing to check with --kv-pages or an unknown budget."""
+    model, draft = model_pair(cfg.model, cfg.draft)
+    if cfg.kv_pages is not None or budget[0] is None or not (model / "config.json").is_file():
+        return
+    mc = ModelConfig.from_dir(model)
+    max_len = cfg.max_model_len or mc.max_position_embeddings
+    nbytes = torch.finfo(dtype).bits // 8
+    weights = (checkpoint_bytes(model) + (checkpoint_bytes(draft) if cfg.mode != "ar" else 0)
+               ) // cfg.tp
+    reserve = activation_reserve(mc, tp=cfg.tp, max_batch_size=cfg.max_batch_size, step_rows=1,
+                                 prefill_tokens=PREFILL_TOKENS, dtype_bytes=nbytes,
+                                 cuda=device.type == "cuda")
+    size_kv_pool(budget_bytes=budget[0], used_bytes=budget[1] + weights,
+                 reserve_bytes=reserve.total,
+                 bytes_per_token=mc.num_hidden_layers * mc.kv_cache_dim * nbytes,
+                 page_size=cfg.page_size, max_model_len=max_len,
+                 pages_per_context=pages_needed(max_len, cfg.page_size),
+                 max_batch_size=cfg.max_batch_size, budget_flag=budget[2], tp=cfg.tp)
 
 
 class PromptError(ValueError):
@@ -126,8 +177,8 @@ class LLM:
     graphs to the caller, `runner.capture()` from the thread that will run the steps: a compiled
     step's kernels keep the torch threads they were compiled with (followers still capture).
     `threads`: the torch threads that thread runs with, when not this one's; on the CPU they
-    choose the shipped budget table (`engine.policy.default_policy`), and compiled steps over
-    more token rows than a few run on all of them (`StepGraphRunner.step_threads`)."""
+    run the steps, and compiled steps over more token rows than a few run on all of them
+    (`engine.cpu.CompiledCPUSteps.threads_for`)."""
 
     def __init__(self, model: str | Path | None = None, draft: str | Path | None = None,
                  *, progress: bool = True, config: EngineConfig | None = None,
@@ -147,6 +198,8 @@ class LLM:
             self.tp = Group.init(cfg.tp, device, heartbeat_timeout_s=cfg.tp_timeout)
             device = self.tp.device
             progress = progress and self.tp.rank == 0
+        budget = memory_budget(cfg, device) if cfg.kv_pages is None else (None, 0, "")
+        check_fits(cfg, device, dtype, budget)
         self.models, self.model_dir = load_models(cfg, device, dtype, self.tp, progress)
         self.tokenizer = (Tokenizer.from_dir(self.model_dir)
                           if (self.model_dir / "tiktoken.model").is_file() else None)
@@ -156,8 +209,7 @@ class LLM:
         shape = StepShape(cfg.mode, DEFAULT_BUDGET if cfg.budget is None else cfg.budget, block,
                           sample=False)
         policy = None if cfg.budget is not None or cfg.mode != "tree" else (
-            cfg.budget_policy or default_policy(device.type, compiled, threads,
-                                                cfg.compile_kernels))
+            cfg.budget_policy or default_policy(device.type, compiled))
         budgets = load_budgets(policy) if policy else None
         # NOTE: the page table must cover the step that can emit the most, whatever its size
         # (a policy sets every size's budgets).
@@ -165,20 +217,21 @@ class LLM:
         widest = StepShape(cfg.mode, most, block, False)
         self.max_model_len = cfg.max_model_len or mc.max_position_embeddings
         max_pages = pages_needed(self.max_model_len + widest.max_emit, cfg.page_size)
-        num_pages = cfg.kv_pages or (1 + cfg.max_batch_size * max_pages)
+        self.kv_size = self._size_pool(budget, device, dtype, max_pages,
+                                       widest.num_nodes + block)
+        num_pages = self.kv_size.num_pages
+        if progress:
+            print(self.kv_size.describe(), file=sys.stderr)
         self.pool = self.models.kv_pool(cfg.page_size, num_pages, dtype, device)
         self.timer = PhaseTimer()
         self.runner = StepGraphRunner(self.models, self.pool, shape,
                                       max_batch_size=cfg.max_batch_size, max_pages=max_pages,
                                       capture_sizes=cfg.capture_sizes,
                                       use_graphs=cfg.use_graphs, timer=self.timer,
-                                      budgets=budgets, compile=compiled, threads=threads,
-                                      kernels=cfg.compile_kernels)
+                                      budgets=budgets, compile=compiled, threads=threads)
         self._attach_attention(max_pages)
         if warm_up or not self.is_leader:
             self.runner.capture(progress=progress)
-        # Without graphs nothing needs fixed shapes: route tokens only through their experts.
-        self.models.sparse_moe = not (self.runner.use_graphs or self.runner.compile)
         stop_ids = self.tokenizer.stop_ids if self.tokenizer else frozenset(
             [mc.eos_token_id] if mc.eos_token_id is not None else [])
         runner: Any = self.runner
@@ -191,50 +244,67 @@ class LLM:
         self.stats: dict[str, Any] = {}
         self._next_id = 0
 
-    def _attach_attention(self, max_pages: int) -> None:
-        """How attention reads the paged caches (`--attention`): flashinfer's MLA prefix
-        kernel where its constraints hold (one planned per captured batch size; the runner
-        plans it before each step, outside the graph), the paged kernels (Triton on CUDA, their
-        torch twins elsewhere) for the rest, or the torch pass over gathered slots. `auto`
-        never picks a kernel whose constraints fail: on CUDA flashinfer, else Triton, else
-        torch; on the CPU torch."""
-        want, dev = self.config.attention, self.pool.target.device
-        if want == "torch" or (want == "auto" and dev.type != "cuda"):
-            return
-        from ops.attention_gpu import (
-            FlashInferMLAPrefix,
-            MLADevice,
-            flashinfer_available,
-            mla_unsupported_reason,
-            mla_workspace_bytes,
-            prefix_planner,
-        )
-        from ops.custom_ops import triton_available
+    def _size_pool(self, budget: tuple[int | None, int, str], device: torch.device,
+                   dtype: torch.dtype, max_pages: int, step_rows: int) -> PoolSize:
+        """The KV pool's pages: --kv-pages, else `engine.memory.size_kv_pool` over `budget`
+        (read before the weights loaded) and what is in use now; every rank takes the
+        smallest of the ranks' sizes, since rank 0 hands out pages for all."""
+        cfg, mc = self.config, self.models.target.cfg
+        kv_token = self.models.kv_bytes_per_token(dtype)
+        cap = 1 + cfg.max_batch_size * max_pages
+        common = dict(page_size=cfg.page_size, bytes_per_token=kv_token,
+                      pages_per_context=max_pages, max_model_len=self.max_model_len,
+                      cap_pages=cap, budget_bytes=0, used_bytes=0, reserve_bytes=0)
+        if cfg.kv_pages is not None:
+            return PoolSize(cfg.kv_pages, fit_pages=cfg.kv_pages, source="--kv-pages", **common)
+        if budget[0] is None:  # no way to know the memory: every slot at full context
+            return PoolSize(cap, fit_pages=cap, source="memory", **common)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()  # loading's temporaries, cached but free
+            used = memory_budget(self.config, device)[1]
+        else:
+            used = sum(t.numel() * t.element_size()
+                       for m in (self.models.target, self.models.drafter) if m is not None
+                       for t in (*m.parameters(), *m.buffers()))
+        reserve = activation_reserve(mc, tp=cfg.tp, max_batch_size=cfg.max_batch_size,
+                                     step_rows=step_rows, prefill_tokens=PREFILL_TOKENS,
+                                     dtype_bytes=torch.finfo(dtype).bits // 8,
+                                     cuda=device.type == "cuda")
+        try:
+            size: PoolSize | None = size_kv_pool(
+                budget_bytes=budget[0], used_bytes=used, reserve_bytes=reserve.total,
+                bytes_per_token=kv_token, page_size=cfg.page_size,
+                max_model_len=self.max_model_len, pages_per_context=max_pages,
+                max_batch_size=cfg.max_batch_size, budget_flag=budget[2], tp=cfg.tp)
+            err: KVMemoryError | None = None
+        except KVMemoryError as e:
+            size, err = None, e
+        if self.tp is not None and self.tp.control is not None:
+            # NOTE: every rank joins, even one without room, so none waits on a failed peer
+            import torch.distributed as dist
 
-        if want in ("auto", "flashinfer"):
-            why = "flashinfer needs CUDA and the `gpu` extra" if not flashinfer_available() \
-                else None
-            mc, heads = self.models.target.cfg, self.models.target.model.layers[0].self_attn
-            dtype, sizes = self.pool.target.dtype, self.runner.capture_sizes
-            # one kernel per (batch size, tree nodes): a size's step kinds may differ in nodes
-            steps = sorted({(bs, s.num_nodes) for bs in sizes for s in self.runner.shapes_of(bs)})
-            facts = MLADevice.of(dev) if why is None else None
-            why = why or next((r for bs, n in steps if (r := mla_unsupported_reason(
-                mc.kv_lora_rank, mc.qk_rope_head_dim, dtype, facts, num_heads=heads.num_heads,
-                num_queries=n, batch_size=bs)) is not None), None)
-            if why is None:
-                ws = torch.empty(mla_workspace_bytes(mc.kv_lora_rank, facts.num_sms),
-                                 dtype=torch.uint8, device=dev)  # NOTE: one stream: shared
-                backends = {(bs, n): FlashInferMLAPrefix(
-                    bs, n, max_pages, self.pool.page_size, heads.num_heads,
-                    mc.kv_lora_rank, mc.qk_rope_head_dim, mc.softmax_scale, dtype, dev,
-                    workspace=ws, device_facts=facts) for bs, n in steps}
-                self.models.prefix = dict(backends)
-                self.runner.planner = prefix_planner(backends)
-            elif want == "flashinfer":
-                raise ValueError(f"--attention flashinfer cannot run here: {why}")
-        if want == "triton" or dev.type != "cuda" or triton_available():
-            self.models.attention = "paged"
+            n = torch.tensor([size.num_pages if size is not None else 0])
+            dist.all_reduce(n, op=dist.ReduceOp.MIN, group=self.tp.control)
+            if size is not None and int(n.item()) > 0:
+                return replace(size, num_pages=int(n.item()))
+            raise err or KVMemoryError(
+                "another tensor-parallel rank has no room for one full context (see its "
+                "error): lower --max-model-len, raise --tp or --gpu-memory-utilization")
+        if err is not None:
+            raise err
+        assert size is not None
+        return size
+
+    def _attach_attention(self, max_pages: int) -> None:
+        """How attention reads the paged caches (`--attention`, `engine.attention`): a backend
+        built for every (batch size, tree nodes) the runner steps; the runner lets it plan
+        before each step, outside the graph."""
+        from engine.attention import select_backend
+
+        r = self.runner
+        steps = [(bs, s.num_nodes) for bs in r.capture_sizes for s in r.shapes_of(bs)]
+        self.models.attention = select_backend(self.config.attention, self.models.target,
+                                               self.pool, steps, max_pages)
 
     # ---- prompts -----------------------------------------------------------------------------
 

@@ -7,9 +7,12 @@ no GPU: the models are built on the meta device from the checkpoint's own `confi
          --accept-len 3.7] [--tune --accept-lens 2:2.1,8:4.0 --sampled-accept-lens 2:1.4,8:1.7]
 
 Memory: weight bytes per rank as stored (INT4 experts as words and scales, FP8 with its block
-scales, the rest bf16), KV bytes per token (target latent cache and drafter context) and the
-tokens of KV that fit, the step buffers and the step's peak live activations (measured on the
-meta device) for the largest captured batch, and whether it fits, with the knob to turn if not.
+scales, the rest bf16), KV bytes per token (target latent cache and drafter context), the step
+buffers and the step's peak live activations (measured on the meta device) for the largest
+captured batch, and the KV pool the engine will allocate with these flags: the engine's own
+rule (`engine.memory.size_kv_pool`: `--gpu-memory-utilization` of the GPU, less the weights, the
+CUDA context and the engine's activation reserve), and whether one full context fits, with the
+knob to turn if not.
 
 Cost (`--cost`): the real step function (`engine.spec.spec_step`: draft, build, verify, decide,
 commit; attention over live pages, experts over aligned blocks, as on a GPU) runs on the meta
@@ -36,7 +39,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import re
 import sys
 import weakref
 from collections import defaultdict
@@ -52,14 +54,24 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
 import engine.spec as spec
-from engine.config import DraftConfig, ModelConfig, int_list
+from engine.attention import PagedBackend
+from engine.config import DraftConfig, EngineConfig, ModelConfig, int_list
 from engine.dist import Group
 from engine.kv_cache import KVPool, pages_needed
+from engine.memory import (
+    CUDA_RUNTIME_BYTES,
+    GPU_MEMORY_UTILIZATION,
+    KVMemoryError,
+    activation_reserve,
+    parse_size,
+    size_kv_pool,
+)
 from engine.models.dflash import DFlashDrafter
 from engine.models.kimi import KimiForCausalLM
 from engine.models.layers import FP8, cast_parameters, checkpoint_tensors
 from engine.policy import policy_path, write_tuned
 from engine.runner import default_capture_sizes
+from engine.scheduler import PREFILL_TOKENS
 from engine.spec import Models, StepBuffers, StepShape, spec_step
 from ops.moe import moe_bytes, moe_flops
 from ops.quant import fp8_linear_bytes
@@ -86,17 +98,14 @@ GPUS = {
     # (64 GB/s each way, no NVLink), 96 GB
     "RTX-PRO-6000": GPU(500e12, 1.6e12, 64e9, 30e-6, 96e9),
 }
-UNITS = {"": 1, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12, "kib": 2**10,
-         "mib": 2**20, "gib": 2**30, "tib": 2**40}
-# CUDA context, NCCL buffers and the allocator's slack, left outside everything counted here.
-RESERVE = "4GiB"
+_ENGINE = EngineConfig.__pydantic_fields__  # the engine's defaults, which the plan follows
 
 
 def parse_bytes(s: str) -> int:
-    m = re.fullmatch(r"\s*([\d.]+)\s*([a-zA-Z]*)\s*", s)
-    if not m or m.group(2).lower() not in UNITS:
-        raise argparse.ArgumentTypeError(f"expected a size like 141GB or 80GiB, got {s!r}")
-    return int(float(m.group(1)) * UNITS[m.group(2).lower()])
+    try:
+        return parse_size(s)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from e
 
 
 class CountingGroup(Group):
@@ -121,7 +130,7 @@ def build(model: Path, draft: Path | None, tp: int, dtype: torch.dtype
         if m is not None:
             cast_parameters(m, dtype)
             m.requires_grad_(False)
-    return Models(target, drafter, tp=group, attention="paged"), group
+    return Models(target, drafter, tp=group, attention=PagedBackend()), group
 
 
 def weight_bytes(models: Models) -> dict[str, int]:
@@ -310,13 +319,19 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks")
     ap.add_argument("--gpu-memory", type=parse_bytes, default=None,
                     help="memory of one GPU (default: the first --gpus entry's, 141GB for H200)")
-    ap.add_argument("--reserve", type=parse_bytes, default=parse_bytes(RESERVE),
-                    help=f"left for the CUDA context, NCCL and allocator slack ({RESERVE})")
+    ap.add_argument("--gpu-memory-utilization", type=float, default=GPU_MEMORY_UTILIZATION,
+                    help="the engine's flag: the share of the GPU it may take "
+                         f"(default: {GPU_MEMORY_UTILIZATION})")
+    ap.add_argument("--reserve", type=parse_bytes, default=CUDA_RUNTIME_BYTES,
+                    help="the CUDA context and NCCL's buffers, which a real engine reads as used "
+                         f"memory after loading its weights (default: {CUDA_RUNTIME_BYTES:,} "
+                         f"bytes)")
     ap.add_argument("--max-model-len", type=int, default=None,
                     help="context limit (default: the model's max_position_embeddings)")
-    ap.add_argument("--max-batch-size", type=int, default=64)
+    ap.add_argument("--max-batch-size", type=int, default=_ENGINE["max_batch_size"].default,
+                    help=f"the engine's flag (default: {_ENGINE['max_batch_size'].default})")
     ap.add_argument("--budget", type=int, default=16, help="tree budget of the captured steps")
-    ap.add_argument("--page-size", type=int, default=16)
+    ap.add_argument("--page-size", type=int, default=_ENGINE["page_size"].default)
     ap.add_argument("--dtype", choices=("bfloat16", "float16"), default="bfloat16")
     ap.add_argument("--json", type=Path, help="write the results here")
     ap.add_argument("--cost", action="store_true", help="the step cost table")
@@ -352,25 +367,52 @@ def memory(a: argparse.Namespace, models: Models, dtype: torch.dtype, gpu_memory
     buffers = sum(_bytes(getattr(buf, f)) for f in buf.__dataclass_fields__)
     step = run_step(models, shape, bs, max_pages, a.page_size, dtype, a.context)
     workspace = step["peak_activation_bytes"]
-    room = gpu_memory - per_rank - buffers - workspace - a.reserve
-    tokens = max(room, 0) // kv_token
-    fits = tokens >= max_len + shape.max_emit
+    # The engine's rule with what it would read on the GPU: the weights and the CUDA context in
+    # use, its activation reserve (estimated, as the engine does; the measured peak is checked
+    # against it below).
+    reserve = activation_reserve(c, tp=a.tp, max_batch_size=a.max_batch_size,
+                                 step_rows=shape.num_nodes + block,
+                                 prefill_tokens=PREFILL_TOKENS,
+                                 dtype_bytes=torch.finfo(dtype).bits // 8, cuda=True)
+    used = per_rank + a.reserve
+    budget = int(gpu_memory * a.gpu_memory_utilization)
+    flag = f"--gpu-memory-utilization {a.gpu_memory_utilization} of {_gb(gpu_memory)}"
+    try:
+        size = size_kv_pool(budget_bytes=budget, used_bytes=used, reserve_bytes=reserve.total,
+                            bytes_per_token=kv_token, page_size=a.page_size,
+                            max_model_len=max_len, pages_per_context=max_pages,
+                            max_batch_size=a.max_batch_size, budget_flag=flag, tp=a.tp)
+        tokens, contexts, error = size.tokens, size.contexts, None
+    except KVMemoryError as e:
+        tokens, contexts, error = 0, 0, str(e)
+    room = gpu_memory - used - reserve.total  # at full memory (utilization 1)
+    fit_tokens = max(budget - used - reserve.total, 0) // kv_token
+    fits = error is None
     if fits:
         knob = None
     elif room <= 0:
         knob = (f"the weights alone need {per_rank / 1e9:.1f} GB a rank: raise --tp, or lower "
-                f"--max-batch-size (step buffers {buffers / 1e9:.2f} GB, activations "
-                f"{workspace / 1e9:.2f} GB)")
+                f"--max-batch-size (step buffers {buffers / 1e9:.2f} GB, activation reserve "
+                f"{reserve.total / 1e9:.2f} GB)")
     else:
-        knob = (f"{tokens:,} tokens of KV fit, fewer than one request at --max-model-len "
-                f"{max_len:,}: lower --max-model-len, or raise --tp")
+        knob = (f"{fit_tokens:,} tokens of KV fit at {flag}, fewer than one request at "
+                f"--max-model-len {max_len:,}: lower --max-model-len, or raise --tp or "
+                f"--gpu-memory-utilization")
+    warning = None if workspace <= reserve.step else (
+        f"the measured step activations ({_gb(workspace)}) exceed the engine's estimate "
+        f"({_gb(reserve.step)}, engine.memory.step_activation_bytes): raise it")
     return {"weight_bytes_per_rank": per_rank, "weight_bytes_by_kind": weights,
             "kv_bytes_per_token": kv_token, "step_buffer_bytes": buffers,
             "step_workspace_bytes": workspace, "reserve_bytes": a.reserve,
+            "activation_reserve_bytes": {"step": reserve.step, "prefill": reserve.prefill,
+                                         "overhead": reserve.overhead},
+            "gpu_memory_utilization": a.gpu_memory_utilization,
             "gpu_memory_bytes": gpu_memory, "kv_room_bytes": room, "kv_tokens": tokens,
-            "full_context_requests": tokens // (max_len + shape.max_emit), "fits": fits,
-            "knob": knob, "max_model_len": max_len, "capture_batch_size": bs,
-            "budget": a.budget}
+            "kv_pool_bytes": (tokens // a.page_size + 1) * a.page_size * kv_token if fits
+            else 0, "full_context_requests": contexts, "fits": fits, "knob": knob,
+            "kv_error": error, "reserve_warning": warning, "max_model_len": max_len,
+            "kv_pages_per_context": max_pages,
+            "capture_batch_size": bs, "max_batch_size": a.max_batch_size, "budget": a.budget}
 
 
 def _block(models: Models) -> int:
@@ -481,6 +523,7 @@ def _gb(n: float) -> str:
 
 
 def memory_table(r: dict[str, Any]) -> str:
+    res = r["activation_reserve_bytes"]
     kinds = ", ".join(f"{k} {_gb(v)}" for k, v in r["weight_bytes_by_kind"].items()
                       if k not in ("target", "drafter"))
     lines = [
@@ -490,10 +533,17 @@ def memory_table(r: dict[str, Any]) -> str:
         f"  step buffers       {_gb(r['step_buffer_bytes'])} (batch {r['capture_batch_size']}, "
         f"budget {r['budget']}, {r['max_model_len']:,}-token page tables)",
         f"  step activations   {_gb(r['step_workspace_bytes'])} (peak, measured on meta)",
-        f"  reserve            {_gb(r['reserve_bytes'])}",
-        f"  KV room            {_gb(r['kv_room_bytes'])} of {_gb(r['gpu_memory_bytes'])}: "
-        f"{r['kv_tokens']:,} tokens, {r['full_context_requests']} full-context requests",
+        f"  CUDA context       {_gb(r['reserve_bytes'])} (--reserve)",
+        f"  engine's reserve   {_gb(sum(res.values()))} (step {_gb(res['step'])}, prefill "
+        f"{_gb(res['prefill'])}, overhead {_gb(res['overhead'])}: engine.memory)",
+        f"  KV room            {_gb(r['kv_room_bytes'])} of {_gb(r['gpu_memory_bytes'])} "
+        f"at full memory",
+        f"  engine's KV pool   {r['kv_tokens']:,} tokens ({_gb(r['kv_pool_bytes'])}), "
+        f"{r['full_context_requests']} full {r['max_model_len']:,}-token contexts at "
+        f"--gpu-memory-utilization {r['gpu_memory_utilization']}, --max-batch-size "
+        f"{r['max_batch_size']}",
         f"  fits               {'yes' if r['fits'] else 'no: ' + r['knob']}",
+        *([f"  warning            {r['reserve_warning']}"] if r["reserve_warning"] else []),
     ]
     return "\n".join(lines)
 

@@ -7,8 +7,8 @@ import json
 import pytest
 
 from engine.generate import main
-from engine.tools.make_draft import make_draft
-from engine.tools.make_tiny import make_tiny
+from tools.make_draft import make_draft
+from tools.make_tiny import make_tiny
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,228 @@
+"""How many KV pages the engine allocates: one rule, pure arithmetic (no torch), so the engine
+(with the memory it reads after loading the weights) and `graphs.plan` (with planned numbers)
+size the pool the same way.
+
+The rule, vLLM's `--gpu-memory-utilization`:
+
+    pool bytes = budget - used - reserve
+    budget     = total device memory x --gpu-memory-utilization (CUDA), or
+                 --cpu-memory-budget (the CPU; default CPU_MEMORY_SHARE of MemAvailable)
+    used       = what is already taken when the pool is sized: the weights, and on CUDA
+                 everything `mem_get_info` shows in use (CUDA context, NCCL, other processes)
+    reserve    = what the engine still allocates after the pool (`activation_reserve`)
+    pages      = pool bytes // (page_size x KV bytes per token), at most
+                 1 + max_batch_size x pages per context (every slot at full context: more is
+                 waste), at least 1 + pages per context (the dummy page and one full
+                 `max_model_len` context), else `KVMemoryError` naming the knobs.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+GPU_MEMORY_UTILIZATION = 0.9  # vLLM's default
+# NOTE: the CPU shares its RAM with the OS, other processes, inductor's compile workers and the
+# page cache of the checkpoint being read; half of what is available when the engine starts is
+# what it takes without `--cpu-memory-budget`.
+CPU_MEMORY_SHARE = 0.5
+# NOTE: not plannable, so a fixed reserve on CUDA: the allocator's fragmentation, cuBLAS and
+# attention workspaces, and what the captured graphs' private pool holds beyond one step's
+# activations (every captured size keeps its own outputs).
+CUDA_OVERHEAD_BYTES = 2 * 2**30
+# NOTE: only for planning (`graphs.plan`): the CUDA context and NCCL's buffers, which a real
+# engine reads as used memory from `mem_get_info` after loading its weights.
+CUDA_RUNTIME_BYTES = 2**30
+
+UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9,
+         "t": 1e12, "tb": 1e12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+class KVMemoryError(ValueError):
+    """Not even one full context fits in the memory left for the KV pool."""
+
+
+def parse_size(s: str | int) -> int:
+    """Bytes from `17179869184`, `16GB`, `16 GiB` or `1.5tb` (decimal and binary units)."""
+    if isinstance(s, int) and not isinstance(s, bool):
+        n = s
+    else:
+        m = re.fullmatch(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]*)\s*", str(s))
+        if not m or m.group(2).lower() not in UNITS:
+            raise ValueError(f"expected a size such as 16GB, 80GiB or a number of bytes, "
+                             f"got {s!r}")
+        n = int(float(m.group(1)) * UNITS[m.group(2).lower()])
+    if n <= 0:
+        raise ValueError(f"a memory size must be positive, got {s!r}")
+    return n
+
+
+def gb(n: float) -> str:
+    return f"{n / 1e9:.2f} GB"
+
+
+def mem_available() -> int | None:
+    """The RAM the kernel says new work can take without swapping (`MemAvailable`), or None
+    where /proc/meminfo does not say."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def default_cpu_budget() -> int | None:
+    """`--cpu-memory-budget`'s default: CPU_MEMORY_SHARE of MemAvailable (None: unknown)."""
+    avail = mem_available()
+    return int(avail * CPU_MEMORY_SHARE) if avail else None
+
+
+def checkpoint_bytes(path: str | Path | None) -> int:
+    """Bytes of a checkpoint directory's safetensors as stored (0 for a config-only dir): the
+    index's `total_size` when it has one, else the files' sizes."""
+    if path is None:
+        return 0
+    p = Path(path)
+    index = p / "model.safetensors.index.json"
+    if index.is_file():
+        import json
+
+        try:
+            total = json.loads(index.read_text()).get("metadata", {}).get("total_size")
+            if total:
+                return int(total)
+        except (OSError, ValueError):
+            pass
+    return sum(f.stat().st_size for f in p.glob("*.safetensors") if f.is_file())
+
+
+# ---- the reserve -------------------------------------------------------------------------------
+
+
+def step_activation_bytes(*, rows: int, vocab_size: int) -> int:
+    """A step's live activations, estimated: float32 logits over every verified and drafted
+    row, twice over (logits, then probabilities or the sampler's temporaries). `graphs.plan`
+    measures the real step on the meta device (`peak_activation_bytes`) and says when it
+    exceeds this."""
+    return 2 * rows * vocab_size * 4
+
+
+def prefill_activation_bytes(mc: Any, *, tokens: int, tp: int, dtype_bytes: int) -> int:
+    """One prefill forward's live activations over `tokens` tokens (a `ModelConfig`), estimated:
+    every layer's cache rows (listed, then stacked), the naive MLA attention of one layer
+    (queries, keys and values expanded per head, float32 scores), the widest MLP of one layer
+    and a few hidden-state copies in float32."""
+    heads = -(-mc.num_attention_heads // tp)
+    rows = 2 * mc.num_hidden_layers * tokens * mc.kv_cache_dim * dtype_bytes
+    attn = heads * tokens * (2 * mc.qk_head_dim + mc.v_head_dim) * dtype_bytes \
+        + heads * tokens * tokens * 4
+    moe = (mc.num_experts_per_tok + mc.n_shared_experts) * mc.moe_intermediate_size
+    mlp = 3 * tokens * max(mc.intermediate_size // tp, moe) * dtype_bytes
+    hidden = 6 * tokens * mc.hidden_size * 4
+    return rows + attn + mlp + hidden
+
+
+@dataclass(frozen=True)
+class Reserve:
+    """What the engine allocates after the KV pool, by part (bytes)."""
+
+    step: int  # the largest batch's step activations (the captured graphs' pool)
+    prefill: int  # the largest batched prefill's activations
+    overhead: int  # CUDA_OVERHEAD_BYTES on CUDA, 0 on the CPU
+
+    @property
+    def total(self) -> int:
+        return self.step + self.prefill + self.overhead
+
+
+def activation_reserve(mc: Any, *, tp: int, max_batch_size: int, step_rows: int,
+                       prefill_tokens: int, dtype_bytes: int, cuda: bool) -> Reserve:
+    """The reserve for `mc` (a `ModelConfig`): the step of `max_batch_size` rows of `step_rows`
+    tokens each (tree nodes plus draft block), a prefill of `prefill_tokens` tokens (the
+    scheduler's batched-prefill limit) and, on CUDA, the fixed overhead.
+    NOTE: a single prompt longer than `prefill_tokens` is prefilled alone in one forward, whose
+    activations grow with its length (its scores with its square): not covered here; chunked
+    prefill bounds it."""
+    return Reserve(
+        step=step_activation_bytes(rows=max_batch_size * step_rows, vocab_size=mc.vocab_size),
+        prefill=prefill_activation_bytes(mc, tokens=prefill_tokens, tp=tp,
+                                         dtype_bytes=dtype_bytes),
+        overhead=CUDA_OVERHEAD_BYTES if cuda else 0)
+
+
+# ---- the rule ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PoolSize:
+    """A sized KV pool: `num_pages` pages (the dummy page included) of `page_size` tokens."""
+
+    num_pages: int
+    page_size: int
+    bytes_per_token: int
+    pages_per_context: int  # one full `max_model_len` context (and a step's span)
+    max_model_len: int
+    fit_pages: int  # what the memory holds, before the cap
+    cap_pages: int  # every batch slot at full context
+    budget_bytes: int
+    used_bytes: int
+    reserve_bytes: int
+    source: str = "memory"  # "memory", or "--kv-pages" when given
+
+    @property
+    def tokens(self) -> int:
+        """KV tokens requests can use (the dummy page left out)."""
+        return (self.num_pages - 1) * self.page_size
+
+    @property
+    def contexts(self) -> int:
+        """Full `max_model_len` contexts the pool holds at once."""
+        return (self.num_pages - 1) // self.pages_per_context
+
+    @property
+    def pool_bytes(self) -> int:
+        return self.num_pages * self.page_size * self.bytes_per_token
+
+    def describe(self) -> str:
+        why = ("set by --kv-pages" if self.source != "memory" else
+               "capped at every batch slot at full context" if self.num_pages == self.cap_pages
+               else f"from {gb(self.budget_bytes)} budget - {gb(self.used_bytes)} used - "
+                    f"{gb(self.reserve_bytes)} reserve")
+        return (f"KV pool: {self.tokens:,} tokens ({self.num_pages - 1:,} pages of "
+                f"{self.page_size}, {gb(self.pool_bytes)}), {self.contexts} full "
+                f"{self.max_model_len:,}-token context{'s' if self.contexts != 1 else ''} "
+                f"({why})")
+
+
+def size_kv_pool(*, budget_bytes: int, used_bytes: int, reserve_bytes: int,
+                 bytes_per_token: int, page_size: int, max_model_len: int,
+                 pages_per_context: int, max_batch_size: int, budget_flag: str = "",
+                 tp: int = 1) -> PoolSize:
+    """The module's rule. `pages_per_context`: a full `max_model_len` context plus the widest
+    step's span, in pages. `budget_flag` says where the budget came from (for the error)."""
+    if bytes_per_token <= 0 or page_size <= 0 or pages_per_context <= 0:
+        raise ValueError("bytes_per_token, page_size and pages_per_context must be positive")
+    room = budget_bytes - used_bytes - reserve_bytes
+    fit = max(room, 0) // (page_size * bytes_per_token)
+    cap = 1 + max_batch_size * pages_per_context
+    need = 1 + pages_per_context
+    if fit < need:
+        raise KVMemoryError(
+            f"the KV cache does not fit one full context: --max-model-len {max_model_len:,} "
+            f"needs {need * page_size * bytes_per_token / 1e9:.2f} GB of KV "
+            f"({bytes_per_token:,} bytes a token), but {gb(max(room, 0))} is left of the "
+            f"{gb(budget_bytes)} budget ({budget_flag or 'the memory budget'}) after "
+            f"{gb(used_bytes)} in use (the weights) and a {gb(reserve_bytes)} reserve for "
+            f"activations: lower --max-model-len, raise --tp (now {tp}: the weights split over "
+            f"more GPUs) or raise --gpu-memory-utilization (or --cpu-memory-budget on the CPU)")
+    return PoolSize(min(fit, cap), page_size, bytes_per_token, pages_per_context,
+                    max_model_len, fit, cap, budget_bytes, used_bytes, reserve_bytes)
