@@ -7,7 +7,9 @@ on the host. Finished requests leave at once and free their pages.
 
 Every model call goes through the runner (`engine.runner.StepGraphRunner`, or anything with its
 `prefill`, `step`, `coins_per_row`, `step_shape` and `shape`), which takes host values, not
-requests. A plain-decoding step (budget 0) leaves the drafter's cache behind; the request's next
+requests. With `isolate` set (the server), a model call that raises is run again row by row:
+a row that fails alone finishes with reason "error", the rest go on as if nothing happened.
+A plain-decoding step (budget 0) leaves the drafter's cache behind; the request's next
 drafting step brings it the tokens it missed (`lag`), unless most rows sample: such a batch with
 a lagging row keeps decoding plainly (the runner's "lagging" kind).
 """
@@ -66,6 +68,10 @@ class StepEvent:
     new_ids: list[int]
     finished: bool
     emitted: int = 0
+    # Why the request failed (finish_reason "error"), and whether it failed alone while other
+    # rows of the same call ran (blamed) or with every row of it (the cause is unknown).
+    error: BaseException | None = None
+    blamed: bool = False
 
 
 def lagging(reqs: Sequence[Request]) -> bool:
@@ -120,6 +126,10 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        # Fault isolation (see the module docstring); exceptions of the `fatal` types (a lost
+        # tensor-parallel peer) are never retried: they propagate.
+        self.isolate = False
+        self.fatal: tuple[type[BaseException], ...] = ()
         # The most any step writes past cache_len: the root plus every accepted node. Admission
         # keeps room for it; each step reserves only what its own shape can write, so a row's
         # page table (and the context its attention reads) stays as short as the step allows.
@@ -133,12 +143,15 @@ class Scheduler:
             raise RequestRejected("the prompt is empty")
         if n + 1 > self.max_model_len:
             raise RequestRejected(f"the prompt has {n} tokens; the context limit is "
-                                  f"{self.max_model_len} (prompt plus at least one new token)")
+                                  f"{self.max_model_len} (--max-model-len: prompt plus at "
+                                  f"least one new token)")
         need = pages_needed(min(n + req.params.max_new_tokens, self.max_model_len)
                             + self.step_span, self.page_size)
         if need > self.alloc.capacity:
-            raise RequestRejected(f"the request needs {need} KV pages, the pool has "
-                                  f"{self.alloc.capacity}")
+            raise RequestRejected(
+                f"the request needs {need} KV pages ({need * self.page_size} tokens with the "
+                f"step's span), the whole pool has {self.alloc.capacity} (--kv-pages, or "
+                f"sized by --gpu-memory-utilization / --cpu-memory-budget)")
         vocab = self.vocab_size
         bad = [t for t in req.prompt_ids if not 0 <= t < vocab]
         if bad:
@@ -245,8 +258,22 @@ class Scheduler:
             self._grow(req, len(_context(req)))  # its pages count against the next admission
             admit.append(req)
             longest = max(longest, seq_len)
-        for req, new in zip(admit, self.prefill(admit) if admit else []):
-            kept = self._apply(req, new)
+        try:
+            firsts: list[list[int] | BaseException] = list(self.prefill(admit)) if admit else []
+        except Exception as e:  # noqa: BLE001 - isolated below, or raised again
+            firsts = self._one_by_one(admit, e, lambda r: self.prefill([r])[0])
+        blamed = any(not isinstance(f, BaseException) for f in firsts)
+        for req, new in zip(admit, firsts):
+            if isinstance(new, BaseException):
+                events.append(self._failed(req, new, blamed))
+                continue
+            try:
+                kept = self._apply(req, new)
+            except Exception as e:  # noqa: BLE001 - a host-side failure is this row's own
+                if not self.isolate:
+                    raise
+                events.append(self._failed(req, e, True))
+                continue
             if req.finished:
                 self._release(req)
                 events.append(StepEvent(req, kept, True))
@@ -258,20 +285,40 @@ class Scheduler:
             return events
         # 2. pages for what this step may write (its shape's span); preempt the newest when
         # short, and ask again: a smaller batch may take another shape
-        while self.running:
-            shape = next_shape(self.runner, self.running)
-            if self._reserve(shape.max_emit):
-                break
-        if not self.running:
-            return events
-        # 3. the step
-        emitted, accepted = run_step(self.runner, self.running, shape.drafts)
+        batch = self.running
+        try:
+            while self.running:
+                shape = next_shape(self.runner, self.running)
+                if self._reserve(shape.max_emit):
+                    break
+            if not self.running:
+                return events
+            # 3. the step
+            batch = list(self.running)
+            results: list[tuple[list[int], int] | BaseException] = [
+                *zip(*run_step(self.runner, batch, shape.drafts))]
+        except Exception as e:  # noqa: BLE001 - isolated below, or raised again
+            batch = list(self.running)
+            results = self._one_by_one(batch, e, self._step_alone)
         # 4. apply
+        blamed = any(isinstance(x, tuple) for x in results)
         still = []
-        for req, toks, acc in zip(self.running, emitted, accepted):
+        for req, res in zip(batch, results):
+            if res is None:  # preempted while running alone
+                continue
+            if isinstance(res, BaseException):
+                events.append(self._failed(req, res, blamed))
+                continue
+            toks, acc = res
             req.num_steps += 1
             req.accept_lengths.append(acc + 1)
-            kept = self._apply(req, toks)
+            try:
+                kept = self._apply(req, toks)
+            except Exception as e:  # noqa: BLE001 - a host-side failure is this row's own
+                if not self.isolate:
+                    raise
+                events.append(self._failed(req, e, True))
+                continue
             events.append(StepEvent(req, kept, req.finished, acc + 1))
             if req.finished:
                 self._release(req)
@@ -279,3 +326,49 @@ class Scheduler:
                 still.append(req)
         self.running = still
         return events
+
+    # ---- fault isolation -------------------------------------------------------------------------
+
+    def _one_by_one(self, reqs: list[Request], err: Exception, call: Callable[[Request], Any]
+                    ) -> list[Any]:
+        """After a model call over `reqs` raised `err`: `call` for each request alone, its result
+        or its exception. Without `isolate`, or for a `fatal` error, `err` rises again.
+        NOTE: a failed call commits nothing (cache lengths advance only after a call returns),
+        and whatever it wrote past a row's cache length is garbage the next call overwrites,
+        as after any step's rejected drafts: running a row again is safe."""
+        if not self.isolate or isinstance(err, self.fatal):
+            raise err
+        if len(reqs) == 1:
+            return [err]
+        out: list[Any] = []
+        for req in reqs:
+            try:
+                out.append(call(req))
+            except Exception as e:  # noqa: BLE001 - this row's failure
+                if isinstance(e, self.fatal):
+                    raise
+                out.append(e)
+        return out
+
+    def _step_alone(self, req: Request) -> tuple[list[int], int] | None:
+        """One step of `req` on its own: its tokens and accepted drafts, or None when the pool
+        has no pages for its shape's span (it goes back to the queue, preempted)."""
+        shape = next_shape(self.runner, [req])
+        try:
+            self._grow(req, req.cache_len + shape.max_emit)
+        except OutOfPages:
+            self.running.remove(req)
+            self._release(req)
+            self.waiting.appendleft(req)
+            self.num_preemptions += 1
+            return None
+        emitted, accepted = run_step(self.runner, [req], shape.drafts)
+        return emitted[0], accepted[0]
+
+    def _failed(self, req: Request, err: BaseException, blamed: bool) -> StepEvent:
+        """`req` ends with reason "error" (its pages freed), failed by `err`."""
+        if req in self.running:
+            self.running.remove(req)
+        self._release(req)
+        req.finish_reason = "error"
+        return StepEvent(req, [], True, error=err, blamed=blamed)

@@ -207,3 +207,42 @@ def test_rejections_and_aborts():
     s.abort(x)
     assert x.finish_reason == "abort" and not x.pages and not s.has_work
     assert s.alloc.num_free == 5
+
+
+def test_a_pool_smaller_than_the_batch_runs_every_request_as_alone():
+    """`max_batch_size x max_model_len` need not fit: a pool of one full context and a bit
+    (the least `engine.memory.size_kv_pool` sizes) admits by free pages and preempts, and every
+    request ends with the tokens it gets alone."""
+    max_model_len = 200
+    one_context = -(-(max_model_len + 4) // PAGE)  # a context plus the step's span, in pages
+    prompts = [([i + 1] * (5 + 17 * i), 30 + 11 * i) for i in range(6)]
+
+    def solo(prompt: list[int], n: int) -> list[int]:
+        s = scheduler(FakeRunner())
+        x = req(0, prompt, max_new_tokens=n)
+        s.add(x)
+        run(s)
+        return x.output_ids
+
+    s = scheduler(FakeRunner(), num_pages=1 + one_context + 3, max_batch_size=8)
+    reqs = [req(i, p, max_new_tokens=n) for i, (p, n) in enumerate(prompts)]
+    for x in reqs:
+        s.add(x)
+    steps = 0
+    while s.has_work:
+        s.step()
+        steps += 1
+        assert steps < 10_000, "the scheduler stopped making progress"
+    assert s.num_preemptions > 0  # the pool was short, not only the batch
+    for x, (p, n) in zip(reqs, prompts):
+        assert x.finish_reason == "length" and x.output_ids == solo(p, n)
+    assert s.alloc.num_free == s.alloc.capacity
+
+
+def test_refusals_name_the_flag_to_turn():
+    s = scheduler(FakeRunner(), num_pages=6)
+    with pytest.raises(RequestRejected, match="--max-model-len"):
+        s.add(req(0, [1] * 200))
+    with pytest.raises(RequestRejected, match="the whole pool has 5 .*--kv-pages"):
+        s.add(req(1, [1] * 20, max_new_tokens=100))
+    assert not s.has_work

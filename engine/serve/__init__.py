@@ -7,26 +7,11 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-from typing import Annotated, Literal
-
-from pydantic import Field
-from pydantic.dataclasses import dataclass
 
 from engine.config import EngineConfig, add_cli_args, parse_cli
+from engine.serve.options import ServeConfig
 
 log = logging.getLogger("engine.serve")
-
-
-@dataclass(frozen=True)
-class ServeConfig:
-    host: str = Field("127.0.0.1", description="address to listen on")
-    port: Annotated[int, Field(ge=0, le=65535)] = Field(8000, description="port to listen on")
-    max_queue: Annotated[int, Field(ge=1)] = Field(
-        256, description="requests allowed to wait for a batch slot before 503")
-    served_model_name: str | None = Field(
-        None, description="the model id clients send (default: the model directory's name)")
-    log_level: Literal["critical", "error", "warning", "info", "debug"] = Field(
-        "info", description="how much to log")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -35,7 +20,7 @@ def main(argv: list[str] | None = None) -> None:
 
     from engine.dist import PeerLost
     from engine.llm import LLM, compile_auto
-    from engine.serve.app import build_app
+    from engine.serve.app import build_app, uvicorn_options
 
     p = argparse.ArgumentParser(prog="python -m engine.serve",
                                 description="OpenAI-compatible server with speculative decoding")
@@ -44,11 +29,13 @@ def main(argv: list[str] | None = None) -> None:
     _, engine, cfg = parse_cli(p, argv, EngineConfig, ServeConfig)
     logging.basicConfig(level=cfg.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     # NOTE: torch's CPU thread team belongs to the thread that first runs parallel work; a second
-    # team beside the main thread's makes each step 2-3x slower on a small machine: the main thread
-    # loads at one thread, the engine thread (warm-up, steps, the budget table's) gets the rest.
+    # team beside the main thread's makes each step several times slower on a small machine: the
+    # main thread loads at one thread, the engine thread (warm-up, steps) gets the rest.
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    llm = LLM(config=compile_auto(engine, True), warm_up=False, threads=threads)
+    # A server answers within seconds of its start: `--compile auto` leaves its steps eager, and
+    # `--compile on` compiles them before it listens (from a cold cache, a long while).
+    llm = LLM(config=compile_auto(engine, False), warm_up=False, threads=threads)
     if not llm.is_leader:  # tensor-parallel ranks > 0 run rank 0's model calls until it stops
         torch.set_num_threads(threads)
         try:
@@ -56,13 +43,13 @@ def main(argv: list[str] | None = None) -> None:
         except PeerLost as e:
             sys.exit(f"error: {e}")
     name = cfg.served_model_name or llm.model_dir.resolve().name
-    app = build_app(llm, name, cfg.max_queue, threads)
+    app = build_app(llm, name, cfg.max_queue, threads, config=cfg)
     log.info("serving %r on http://%s:%d (max_model_len %d, %d KV pages)", name, cfg.host,
              cfg.port, llm.max_model_len, llm.scheduler.alloc.capacity)
     try:
         # A bounded graceful shutdown: open streams must not keep the process alive.
         uvicorn.run(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level,
-                    timeout_graceful_shutdown=5)
+                    timeout_graceful_shutdown=5, **uvicorn_options(cfg))
     finally:
         llm.close()
     if app.state.server.engine.fatal:

@@ -1,41 +1,147 @@
 """Routes, admission and streaming: `GET /v1/models`, `POST /v1/completions` and
-`/v1/chat/completions` (`stream`: server-sent events ending in `data: [DONE]`), `GET /health`,
-`GET /metrics`. `max_tokens` defaults to 16 for completions, the context's rest for chat. Chat
-answers are read by `engine.toolcalls.OutputStream` (Kimi's tool calls and reasoning)."""
+`/v1/chat/completions` (`stream`: server-sent events ending in `data: [DONE]`), vLLM's
+`POST /tokenize` and `/detokenize`, `GET /health`, `GET /metrics`. `max_tokens` defaults to 16
+for completions, the context's rest for chat. Chat answers are read by
+`engine.toolcalls.OutputStream` (Kimi's tool calls and reasoning).
+
+`n` choices are n engine requests over the same prompt ids (`choice_params`: with a `seed`,
+choice i samples with seed + i, as vLLM does; greedy choices are identical); their chunks are
+interleaved as they come, each with its `index`; usage counts the prompt once and every
+choice's tokens; a client that leaves, or a choice that fails, aborts them all.
+`parallel_tool_calls` false keeps the first call the parser returns (its first well-formed
+one) and drops the rest, streamed or not (`ToolLimit`).
+
+No one request may hurt another: `Guard` checks the Host, the API key and the body's type before
+a route runs; a body is read within `--request-timeout` and `--max-body-bytes`, parsed with its
+lists bounded, and a text whose bytes already prove it too long is refused before it is
+tokenized; templating and tokenizing run on worker threads; a client that leaves is an abort
+(status 499), never an error; `uvicorn_options` bounds connections, idle time and the time to
+send the headers."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import dataclasses
+import functools
+import hmac
+import ipaddress
 import json
 import logging
+import math
+import os
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+from typing import Any, TypeVar
 
+import h11
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
+from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
-from starlette.types import Receive, Scope, Send
+from starlette.requests import ClientDisconnect
+from starlette.types import ASGIApp, Receive, Scope, Send
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from engine.config import SamplingParams
 from engine.llm import LLM
 from engine.scheduler import RequestRejected
 from engine.serve import protocol as api
+from engine.serve.options import ServeConfig
 from engine.serve.worker import ClientGone, Engine, Handle
 from engine.tokenizer import TokenizerError
-from engine.toolcalls import OutputDelta, OutputStream
+from engine.toolcalls import OutputDelta, OutputStream, ParsedOutput
 
 log = logging.getLogger("engine.serve")
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
+LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
+# Routes outside /v1 that need the API key too: vLLM guards only /v1, but these template and
+# tokenize whole bodies (and show the chat template's work) for whoever asks.
+KEYED_PATHS = frozenset({"/tokenize", "/detokenize"})
+MAX_SEED = 2**64 - 1  # the largest seed a request may send (engine.config.Seed)
 Body = api.CompletionRequest | api.ChatRequest
+Item = tuple[OutputDelta, str | None, int]
+T = TypeVar("T")
+
+
+def choice_seed(seed: int | None, i: int) -> int | None:
+    """Choice i's seed: seed + i (vLLM's rule), wrapping past the largest seed to 0; None
+    (no seed) stays None: each choice then draws its own random seed."""
+    if seed is None:
+        return None
+    return seed + i if seed + i <= MAX_SEED else seed + i - MAX_SEED - 1
+
+
+def choice_params(params: SamplingParams, n: int) -> list[SamplingParams]:
+    """The sampling of each of `n` choices: `params` with choice i's seed (`choice_seed`), so
+    choice i of a seeded request equals a request of n 1 with seed + i."""
+    return [params if n == 1 or params.seed is None
+            else dataclasses.replace(params, seed=choice_seed(params.seed, i)) for i in range(n)]
+
+
+class ToolLimit:
+    """`parallel_tool_calls` false: only the call of index 0 (the parser numbers the calls it
+    keeps from 0, so that is the first well-formed one) reaches the client; later calls are
+    dropped, not turned into content."""
+
+    def __init__(self, parallel: bool | None):
+        self.keep = None if parallel is None or parallel else 1
+
+    def delta(self, d: OutputDelta) -> OutputDelta:
+        if self.keep is None or not d.tool_calls:
+            return d
+        return dataclasses.replace(d, tool_calls=tuple(c for c in d.tool_calls
+                                                       if c.index < self.keep))
+
+    def result(self, r: ParsedOutput) -> ParsedOutput:
+        return r if self.keep is None else dataclasses.replace(r, tool_calls=r.tool_calls[
+            :self.keep])
+
+
+async def merged(gens: list[AsyncIterator[Item]]) -> AsyncIterator[tuple[int, Item]]:
+    """`(choice index, item)` from every generator as each item comes; leaving early (an error,
+    the client gone) cancels the rest, which closes their requests."""
+    if len(gens) == 1:
+        async with contextlib.aclosing(gens[0]) as only:
+            async for item in only:
+                yield 0, item
+        return
+    pending = {asyncio.ensure_future(anext(g)): i for i, g in enumerate(gens)}
+    try:
+        while pending:
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for t in sorted(done, key=pending.__getitem__):
+                i = pending.pop(t)
+                try:
+                    item = t.result()
+                except StopAsyncIteration:
+                    continue
+                pending[asyncio.ensure_future(anext(gens[i]))] = i
+                yield i, item
+    finally:
+        for t in pending:
+            t.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+        await asyncio.gather(*(g.aclose() for g in gens), return_exceptions=True)
+
+
+def _longest_token_bytes(tok: Any) -> int:
+    """The most UTF-8 bytes one token stands for: a text of B bytes is at least B / this many
+    tokens, whatever the tokenizer does with it."""
+    ordinary = max(map(len, tok.encoding.token_byte_values()), default=1)
+    return max(ordinary, *(len(s.encode()) for s in tok.special_tokens), 1)
 
 
 class Server:
     """HTTP-side state: the engine, the served name, admission."""
 
     def __init__(self, llm: LLM, served_model_name: str, max_queue: int = 256,
-                 threads: int | None = None):
+                 threads: int | None = None, config: ServeConfig | None = None):
         self.llm, self.name, self.max_queue = llm, served_model_name, max_queue
+        self.cfg = config or ServeConfig()
+        self.token_bytes = _longest_token_bytes(llm.tokenizer) if llm.tokenizer else 0
         self.engine = Engine(llm, threads)
         self.created = int(time.time())
         self.active = 0  # requests submitted and not yet closed (event-loop thread only)
@@ -46,18 +152,76 @@ class Server:
     def waiting(self) -> int:  # handed to the engine, not running yet
         return self.active - self.engine.snapshot["running"]
 
-    async def admit(self, body: Body) -> tuple[list[int], Handle, OutputStream | None]:
-        """The prompt's token ids, checked against the context, the request handed to the engine
-        (or why it cannot run), and the reader of its answer (None without a tokenizer)."""
-        if body.model is not None and body.model != self.name:
-            raise api.error(404, f"The model '{body.model}' does not exist; this server serves "
+    async def read(self, http: Request, model: type[Body]) -> Body:
+        """The body, read within `--request-timeout` (else 408) and `--max-body-bytes` (else
+        413, without reading past the limit), parsed; a client that leaves raises ClientGone."""
+        return await self.read_as(http, functools.partial(api.parse, model=model))
+
+    async def read_as(self, http: Request, parser: Callable[..., T]) -> T:
+        """The body as `read` reads it, parsed by `parser(raw, limit=...)`."""
+        limit, timeout = self.cfg.max_body_bytes, self.cfg.request_timeout
+        size = http.headers.get("content-length", "")
+        if size.isdigit() and int(size) > limit:
+            raise api.too_large(size, limit)
+        raw = bytearray()
+        try:
+            async with asyncio.timeout(timeout):
+                async for chunk in http.stream():
+                    raw += chunk
+                    if len(raw) > limit:
+                        raise api.too_large(f"more than {limit}", limit)
+        except TimeoutError:
+            raise api.error(408, f"the request body did not arrive within {timeout:g} s "
+                                 f"(--request-timeout)", None, "request_timeout",
+                            headers={"Connection": "close"}) from None
+        except ClientDisconnect:
+            raise ClientGone() from None
+        return parser(bytes(raw), limit=limit)  # NOTE: bounded work (api.MAX_JSON_COST)
+
+    def tokenizer(self, param: str) -> Any:
+        """The tokenizer, or a 400 naming `param` when this model has none."""
+        if self.llm.tokenizer is None:
+            raise api.bad(param, "this model has no tokenizer")
+        return self.llm.tokenizer
+
+    def check_ranges(self, body: Body) -> None:
+        """What the body's own fields cannot know: ranges set by this model."""
+        vocab = self.llm.scheduler.vocab_size
+        if body.top_k > vocab:
+            raise api.bad("top_k", f"top_k is {body.top_k}, but this model's vocabulary has "
+                                   f"{vocab} tokens (-1 or 0: no top-k)")
+
+    def check_bytes(self, param: str, nbytes: int) -> None:
+        """Refuses, before tokenizing, a text of `nbytes` UTF-8 bytes that cannot fit the
+        context however it is tokenized (each token stands for at most `token_bytes` bytes)."""
+        limit = self.llm.max_model_len
+        if self.token_bytes and nbytes > self.token_bytes * (limit - 1):
+            raise api.bad(param, f"{param} has {nbytes} bytes of text, at least "
+                                 f"{math.ceil(nbytes / self.token_bytes)} tokens, but this "
+                                 f"model's context limit is {limit} tokens",
+                          "context_length_exceeded")
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.name:
+            raise api.error(404, f"The model '{model}' does not exist; this server serves "
                                  f"'{self.name}'", "model", "model_not_found")
+
+    async def admit(self, body: Body
+                    ) -> tuple[list[int], list[Handle], list[OutputStream | None]]:
+        """The prompt's token ids, checked against the context, the requests of its `n`
+        choices handed to the engine (or why they cannot run: then none is), and the readers of
+        their answers (None without a tokenizer)."""
+        self.check_model(body.model)
         tok, chat = self.llm.tokenizer, isinstance(body, api.ChatRequest)
         param, prompt, kw = (("messages", *body.template_inputs()) if chat
                              else ("prompt", body.one_prompt(), {}))
         if tok is None and (chat or isinstance(prompt, str) or body.stop):
             raise api.bad("stop" if body.stop else param, "this model has no tokenizer: send "
                                                           "token ids and no stop strings")
+        self.check_ranges(body)
+        if chat or isinstance(prompt, str):
+            self.check_bytes(param, body.content_bytes() if chat else len(
+                prompt.encode("utf-8", "surrogatepass")))
         try:
             ids = (list(prompt) if not chat and isinstance(prompt, list) else await
                    run_in_threadpool(tok.apply_chat_template if chat else tok.encode, prompt, **kw))
@@ -77,19 +241,25 @@ class Server:
                           "context_length_exceeded")
         params = body.sampling_params(want or min(limit if chat else COMPLETIONS_DEFAULT_MAX_TOKENS,
                                                    limit - n))
-        out = OutputStream(tok, ids, params.stop, **body.parsing() if chat else {}) if tok else None
-        if self.waiting >= self.max_queue:
+        if self.waiting + body.n > self.max_queue:
             raise api.error(503, f"the server is busy: {self.waiting} requests are already "
                                  f"waiting (--max-queue {self.max_queue}); retry later", None,
                             "queue_full", "server_error", headers={"Retry-After": "1"})
-        h = Handle(self.llm.make_request(ids, params), stream=body.stream)
+        handles: list[Handle] = []
         try:
-            self.engine.submit(h)
+            for p in choice_params(params, body.n):
+                h = Handle(self.llm.make_request(ids, p), stream=body.stream)
+                self.engine.submit(h)
+                self.active += 1
+                handles.append(h)
         except RequestRejected as e:
+            for h in handles:
+                self.close(h)
             raise api.bad(param, f"request rejected: {e} ({param}: {len(ids)} tokens, "
                                  f"max_tokens: {params.max_new_tokens})") from e
-        self.active += 1
-        return ids, h, out
+        outs = [OutputStream(tok, ids, params.stop, **body.parsing() if chat else {},
+                             request_tools=kw.get("tools")) if tok else None for _ in handles]
+        return ids, handles, outs
 
     def close(self, h: Handle) -> None:
         """Ends the HTTP side of a request once, aborting it if it still runs (the engine loop
@@ -142,13 +312,16 @@ def _sse(obj: dict[str, Any]) -> str:
 
 
 def build_app(llm: LLM, served_model_name: str, max_queue: int = 256,
-              threads: int | None = None) -> FastAPI:
-    srv = Server(llm, served_model_name, max_queue, threads)
+              threads: int | None = None, config: ServeConfig | None = None) -> FastAPI:
+    srv = Server(llm, served_model_name, max_queue, threads, config)
 
     app = FastAPI(title="kimi-spec", lifespan=lambda _: srv.engine.running())
     app.state.server = srv
     # 499 (nginx's "client closed request"): nobody reads it, the count stays honest.
-    app.add_exception_handler(ClientGone, lambda _, e: Response(status_code=499))
+    @app.exception_handler(ClientGone)
+    async def _gone(http: Request, _: ClientGone) -> Response:
+        log.info("%s %s: the client left before its answer", http.method, http.url.path)
+        return Response(status_code=499)
 
     @app.exception_handler(HTTPException)  # ours carry OpenAI's body; Starlette's get one too
     async def _error(_: Request, e: HTTPException) -> JSONResponse:
@@ -160,8 +333,10 @@ def build_app(llm: LLM, served_model_name: str, max_queue: int = 256,
     @app.exception_handler(Exception)
     async def _internal(_: Request, exc: Exception) -> JSONResponse:
         log.exception("unhandled error")
-        return JSONResponse(api.error(500, f"internal error: {type(exc).__name__}: {exc}", None,
-                                      "internal_error", "server_error").detail, 500)
+        # NOTE: the cause stays in the log: exception text is no client's business.
+        return JSONResponse(api.error(500, "internal server error (the server log has the "
+                                           "cause)", None, "internal_error", "server_error"
+                                      ).detail, 500)
 
     @app.get("/health")
     async def health() -> dict[str, Any]:
@@ -178,11 +353,17 @@ def build_app(llm: LLM, served_model_name: str, max_queue: int = 256,
     @app.post("/v1/chat/completions")
     async def respond(http: Request) -> Response:
         chat = http.url.path.endswith("/chat/completions")
-        body = api.parse(await http.body(), api.ChatRequest if chat else api.CompletionRequest)
-        ids, h, out = await srv.admit(body)
+        body = await srv.read(http, api.ChatRequest if chat else api.CompletionRequest)
+        ids, handles, outs = await srv.admit(body)
+        limit = ToolLimit(body.parallel_tool_calls if chat else None)
         kind = "chat.completion" + (".chunk" if body.stream else "") if chat else "text_completion"
         head = dict(id=f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", object=kind,
                     created=int(time.time()), model=srv.name)
+        gens = [srv.text(h, http, out) for h, out in zip(handles, outs)]
+
+        def close_all() -> None:
+            for h in handles:
+                srv.close(h)
 
         def obj(choices: list[Any], n: int | None = None) -> dict[str, Any]:
             """A response or chunk; `usage` once known (null in earlier chunks, when asked)."""
@@ -192,8 +373,9 @@ def build_app(llm: LLM, served_model_name: str, max_queue: int = 256,
                     "prompt_tokens": len(ids), "completion_tokens": n, "total_tokens": len(ids) + n}
             return out
 
-        def choice(fields: dict[str, Any], reason: str | None, role: str | None = None) -> Any:
-            c = {"index": 0, "logprobs": None, "finish_reason": reason}
+        def choice(i: int, fields: dict[str, Any], reason: str | None,
+                   role: str | None = None) -> Any:
+            c = {"index": i, "logprobs": None, "finish_reason": reason}
             if not chat:
                 return {**c, "text": fields.get("content") or ""}
             # role and content always; reasoning and tool calls only when the model made some
@@ -202,28 +384,220 @@ def build_app(llm: LLM, served_model_name: str, max_queue: int = 256,
             return {**c, "delta" if body.stream else "message": msg}
 
         if not body.stream:
-            *_, (_, reason, n) = [p async for p in srv.text(h, http, out)]
-            fields = out.result().to_openai() if out else {}
-            return JSONResponse(obj([choice(fields, reason, "assistant")], n))
+            last: dict[int, tuple[str | None, int]] = {}
+            try:
+                async with contextlib.aclosing(merged(gens)) as items:
+                    async for i, (_, reason, n) in items:
+                        last[i] = reason, n
+            finally:
+                close_all()
+            choices = [choice(i, limit.result(out.result()).to_openai() if out else {},
+                              last[i][0], "assistant") for i, out in enumerate(outs)]
+            return JSONResponse(obj(choices, sum(n for _, n in last.values())))
 
         async def events() -> AsyncIterator[str]:
+            tokens: dict[int, int] = {}
             try:
                 if chat:
-                    yield _sse(obj([choice({"content": ""}, None, "assistant")]))
-                async for piece, reason, n in srv.text(h, http, out):
-                    if piece:
-                        yield _sse(obj([choice(piece.to_openai(), None)]))
-                    if reason is not None:
-                        yield _sse(obj([choice({}, reason)]))
-                        if body.include_usage:
-                            yield _sse(obj([], n))
+                    for i in range(len(gens)):
+                        yield _sse(obj([choice(i, {"content": ""}, None, "assistant")]))
+                async with contextlib.aclosing(merged(gens)) as items:
+                    async for i, (piece, reason, n) in items:
+                        if piece := limit.delta(piece):
+                            yield _sse(obj([choice(i, piece.to_openai(), None)]))
+                        if reason is not None:
+                            tokens[i] = n
+                            yield _sse(obj([choice(i, {}, reason)]))
+                if body.include_usage:
+                    yield _sse(obj([], sum(tokens.values())))
                 yield "data: [DONE]\n\n"
             except HTTPException as e:
+                # the error as an event, then the end: a client's read loop ends as usual
                 yield _sse(e.detail)
+                yield "data: [DONE]\n\n"
             except ClientGone:
                 pass
 
-        return _SSEResponse(events(), lambda: srv.close(h))
+        return _SSEResponse(events(), close_all)
 
-    srv.engine.metrics.instrument(app)
+    @app.post("/tokenize")
+    async def tokenize(http: Request) -> dict[str, Any]:
+        """vLLM's: the ids the completion routes would feed the engine for a text or a
+        conversation (`count`, `max_model_len`, `tokens`; `token_strs` with
+        `return_token_strs`; extension: `prompt` with `return_prompt`, the rendered text)."""
+        body = await srv.read_as(http, api.parse_tokenize)
+        srv.check_model(body.model)
+        tok = srv.tokenizer(param := "messages" if isinstance(
+            body, api.TokenizeChatRequest) else "prompt")
+        try:
+            if isinstance(body, api.TokenizeChatRequest):
+                srv.check_bytes(param, body.content_bytes())
+                messages, kw = body.template_inputs()
+                ids = await run_in_threadpool(tok.apply_chat_template, messages, **kw)
+                text = (await run_in_threadpool(tok.render_chat_template, messages, **kw)
+                        if body.return_prompt else None)
+            else:
+                srv.check_bytes(param, len(body.prompt.encode("utf-8", "surrogatepass")))
+                ids, text = await run_in_threadpool(tok.encode, body.prompt), body.prompt
+        except TokenizerError as e:
+            raise api.bad(param, str(e)) from e
+        out: dict[str, Any] = {"count": len(ids), "max_model_len": llm.max_model_len,
+                               "tokens": ids}
+        if body.return_token_strs:
+            out["token_strs"] = token_strs(tok, ids)
+        if body.return_prompt:
+            out["prompt"] = text
+        return out
+
+    @app.post("/detokenize")
+    async def detokenize(http: Request) -> dict[str, Any]:
+        """vLLM's: the text of token ids, special tokens written out (`{"prompt": str}`)."""
+        body = await srv.read_as(http, functools.partial(api.parse, model=api.DetokenizeRequest))
+        srv.check_model(body.model)
+        tok = srv.tokenizer("tokens")
+        if (bad := next((t for t in body.tokens if not 0 <= t < tok.vocab_size), None)
+                ) is not None:
+            raise api.bad("tokens", f"tokens holds {bad}, which is not a token id of this "
+                                    f"tokenizer (0 to {tok.vocab_size - 1})")
+        try:
+            return {"prompt": await run_in_threadpool(tok.decode, body.tokens)}
+        except TokenizerError as e:
+            raise api.bad("tokens", f"tokens: {e}") from e
+
+    cfg = srv.cfg
+    hosts, key = allowed_hosts(cfg), cfg.api_key or os.environ.get("KIMI_API_KEY") or None
+    if hosts is None and key is None:
+        log.warning("listening on %s with no API key (--api-key or KIMI_API_KEY): anyone who "
+                    "can reach the port can use the model", cfg.host)
+    app.add_middleware(Guard, hosts=hosts, api_key=key)
+    srv.engine.metrics.instrument(app)  # outside the guard: its refusals are counted too
     return app
+
+
+def token_strs(tok: Any, ids: list[int]) -> list[str]:
+    """Each id's text: a special token's name, else its bytes as UTF-8 (bytes of a character
+    split across tokens as `\\xNN` escapes)."""
+    names = {i: name for name, i in tok.special_tokens.items()}
+    return [names[i] if i in names else tok.decode_bytes([i]).decode("utf-8", "backslashreplace")
+            for i in ids]
+
+
+def allowed_hosts(cfg: ServeConfig) -> frozenset[str] | None:
+    """The Host names `--allowed-hosts` accepts (None: any). By default a server bound to a
+    loopback address answers only to loopback names, so a web page cannot reach it through a
+    DNS name rebound to 127.0.0.1."""
+    if cfg.allowed_hosts is not None:
+        names = {h.strip().lower().strip("[]") for h in cfg.allowed_hosts.split(",")}
+        return None if "*" in names else frozenset(names - {""})
+    bind = cfg.host.strip("[]").lower()
+    try:
+        loopback = ipaddress.ip_address(bind).is_loopback
+    except ValueError:
+        loopback = bind == "localhost"
+    return frozenset({*LOOPBACK_NAMES, bind}) if loopback else None
+
+
+class Guard:
+    """ASGI middleware run before any route: the Host header (400), `--api-key` on /v1/*,
+    /tokenize and /detokenize (401),
+    and POST bodies of type `application/json` only (415: a page on another site can send a
+    text/plain or form body without asking the server first, but not a JSON one)."""
+
+    def __init__(self, app: ASGIApp, hosts: frozenset[str] | None, api_key: str | None):
+        self.app, self.hosts = app, hosts
+        self.key = None if api_key is None else api_key.encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = Headers(scope=scope)
+        problem = self._problem(scope, headers)
+        if problem is None:
+            return await self.app(scope, receive, send)
+        status, message, code, extra = problem
+        await JSONResponse(api.error(status, message, None, code).detail, status, extra)(
+            scope, receive, send)
+
+    def _problem(self, scope: Scope, headers: Headers
+                 ) -> tuple[int, str, str, dict[str, str] | None] | None:
+        if self.hosts is not None:
+            host = headers.get("host", "").lower()
+            name = host[1:host.find("]")] if host.startswith("[") else host.rsplit(":", 1)[0]
+            if name not in self.hosts:
+                return 400, "invalid Host header (--allowed-hosts)", "invalid_host", None
+        path = scope["path"]
+        if self.key is not None and (path.startswith("/v1/") or path in KEYED_PATHS):
+            scheme, _, given = headers.get("authorization", "").partition(" ")
+            if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(),
+                                                                     self.key):
+                return (401, "a valid API key is required: 'Authorization: Bearer KEY'",
+                        "invalid_api_key", {"WWW-Authenticate": "Bearer"})
+        if scope["method"] == "POST":
+            kind = headers.get("content-type", "").split(";")[0].strip().lower()
+            if kind != "application/json":
+                return (415, f"the body must be application/json, not {kind or 'untyped'}",
+                        "unsupported_media_type", None)
+        return None
+
+
+def uvicorn_options(cfg: ServeConfig) -> dict[str, Any]:
+    """uvicorn.Config's keywords for `cfg`'s connection limits."""
+    return {"timeout_keep_alive": cfg.timeout_keep_alive,
+            "limit_concurrency": cfg.limit_concurrency,
+            "http": timed_h11(cfg.request_timeout)}
+
+
+def timed_h11(seconds: float) -> type[H11Protocol]:
+    """uvicorn's h11 protocol with a clock on the parts it leaves unbounded: the headers of a
+    request must arrive within `seconds` of a connection opening or of its first byte (else
+    408 and the connection closes), and a body left unread by an early answer (413) within
+    `seconds` of that answer. uvicorn bounds only the idle time between requests."""
+
+    class TimedH11(H11Protocol):
+        _clock: asyncio.TimerHandle | None = None
+
+        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+            super().connection_made(transport)
+            self._arm()
+
+        def data_received(self, data: bytes) -> None:
+            if self._clock is None and self.conn.their_state is h11.IDLE:
+                self._arm()  # a new request on a kept-alive connection
+            super().data_received(data)
+            if self.conn.their_state is not h11.IDLE and (
+                    self.cycle is None or not self.cycle.response_complete):
+                self._disarm()  # headers in: the app's own clock reads the body
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            if self.conn.their_state is h11.SEND_BODY:  # the rest of a body nobody reads
+                self._arm()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._disarm()
+            super().connection_lost(exc)
+
+        def _arm(self) -> None:
+            self._disarm()
+            self._clock = self.loop.call_later(seconds, self._late)
+
+        def _disarm(self) -> None:
+            if self._clock is not None:
+                self._clock.cancel()
+                self._clock = None
+
+        def _late(self) -> None:
+            self._clock = None
+            if self.transport.is_closing():
+                return
+            if self.conn.our_state is h11.IDLE and (self.cycle is None
+                                                     or self.cycle.response_complete):
+                body = json.dumps(api.error(408, f"the request did not arrive within "
+                                                 f"{seconds:g} s (--request-timeout)", None,
+                                            "request_timeout").detail).encode()
+                self.transport.write(b"HTTP/1.1 408 Request Timeout\r\ncontent-type: "
+                                     b"application/json\r\nconnection: close\r\n"
+                                     b"content-length: %d\r\n\r\n%s" % (len(body), body))
+            self.transport.close()
+
+    return TimedH11

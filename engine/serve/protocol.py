@@ -2,10 +2,15 @@
 the fields (sampling fields reuse `engine.config`'s types), and the error body.
 Request defaults follow OpenAI's (`temperature` 1.0); extensions: `top_k` (-1 off), `ignore_eos`
 and vLLM's `chat_template_kwargs` and `reasoning_content`; parameters the engine does not
-implement are accepted at their neutral values."""
+implement are accepted at their neutral values (`response_format` `{"type": "text"}`,
+`logit_bias` `{}`, `top_logprobs` 0, ...) and refused, naming the field, at any other. `n` (up
+to MAX_N) and `parallel_tool_calls` are served by the app (engine.serve.app); `/tokenize` and
+`/detokenize` take vLLM's bodies (TokenizeCompletionRequest, TokenizeChatRequest,
+DetokenizeRequest)."""
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal, TypeVar
 
 from fastapi import HTTPException
@@ -13,7 +18,19 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationIn
 
 from engine.config import SamplingParams, Seed, StopString, Temperature, TopK, TopP, error_parts
 
-MAX_BODY_BYTES = 16 << 20
+MAX_BODY_BYTES = 16 << 20  # the default of `--max-body-bytes`
+# Bounds on what a body may make the server template and tokenize (checked while parsing, before
+# any of that work): OpenAI's own limits are lower (2,048 messages, 128 tools).
+MAX_MESSAGES = 4096
+MAX_TOOLS = 256
+MAX_STOP = 4
+MAX_N = 8  # choices per request (`n`): each is its own request in the engine
+# The parser's work grows with a body's JSON values, not its bytes (16 MB of `{}` take seconds,
+# holding the interpreter lock the whole time). Before parsing, a body's commas plus its braces
+# and brackets weighted by what building a container costs (8 commas' worth), counted over the
+# raw bytes, inside strings too, must stay under this: about half a second of parsing at most,
+# far above what a conversation filling the context, its tools or its token ids need.
+MAX_JSON_COST = 1 << 19
 Positive = Annotated[int, Field(ge=1)]
 Neutral = Annotated[float, Field(ge=0, le=0)]  # only the value that changes nothing
 Text = Annotated[str, Field(min_length=1)]
@@ -33,11 +50,24 @@ def bad(param: str | None, message: str, code: str = "invalid_value") -> HTTPExc
     return error(400, message, param, code)
 
 
-def parse(raw: bytes, model: type[BodyT]) -> BodyT:
-    """A JSON body as `model` whatever the Content-Type said (curl -d sends a form type); a
-    pydantic error becomes a 400 naming the field (`engine.config.error_parts`)."""
-    if len(raw) > MAX_BODY_BYTES:
-        raise error(413, f"the request body has {len(raw)} bytes; the limit is {MAX_BODY_BYTES}",
+def too_large(size: int | str, limit: int) -> HTTPException:
+    return error(413, f"the request body has {size} bytes; the limit is {limit} "
+                      f"(--max-body-bytes)", None, "request_too_large")
+
+
+def json_cost(raw: bytes) -> int:
+    """An upper bound on the parsing work of `raw` (see MAX_JSON_COST), from byte counts alone."""
+    return raw.count(b",") + 8 * (raw.count(b"{") + raw.count(b"["))
+
+
+def parse(raw: bytes, model: type[BodyT], limit: int = MAX_BODY_BYTES) -> BodyT:
+    """A JSON body (the app admits only `application/json`) as `model`; a pydantic error becomes
+    a 400 naming the field (`engine.config.error_parts`)."""
+    if len(raw) > limit:
+        raise too_large(len(raw), limit)
+    if (cost := json_cost(raw)) > MAX_JSON_COST:
+        raise error(413, f"the request body holds too many JSON values: {cost:,} (commas, and "
+                         f"objects and arrays counted as 8); the limit is {MAX_JSON_COST:,}",
                     None, "request_too_large")
     try:
         return model.model_validate_json(raw)
@@ -45,7 +75,32 @@ def parse(raw: bytes, model: type[BodyT]) -> BodyT:
         err, text = error_parts(e)
         code = {"extra_forbidden": "unknown_parameter", "json_invalid": "invalid_json",
                 "missing": "missing_required_parameter"}.get(err["type"], "invalid_value")
-        raise bad(str(err["loc"][0]) if err["loc"] else None, text, code) from e
+        param = str(err["loc"][0]) if err["loc"] else None
+        if code == "unknown_parameter" and len(err["loc"]) == 1:
+            text += f": {UNSUPPORTED.get(param, 'not a parameter this server supports')}"
+        raise bad(param, text, code) from e
+
+
+# Why a field OpenAI's API has is refused (extra_forbidden names it; this says why).
+UNSUPPORTED = {
+    "functions": "deprecated by OpenAI and not supported here: send tools",
+    "function_call": "deprecated by OpenAI and not supported here: send tool_choice",
+    "parallel_tool_calls": "only the chat route has tool calls",
+    "response_format": "only the chat route takes a response_format",
+    "tools": "only the chat route takes tools",
+    "tool_choice": "only the chat route takes tools",
+    "audio": "this server generates text only",
+    "modalities": "this server generates text only",
+    "prediction": "predicted outputs are not supported",
+    "web_search_options": "web search is not supported",
+    "store": "this server stores nothing",
+    "metadata": "this server stores nothing",
+    "reasoning_effort": "not supported: Kimi's thinking is switched by chat_template_kwargs "
+                        "{\"thinking\": false}",
+    "service_tier": "this server has one tier",
+    "continue_final_message": "not supported: the prompt always ends with the template's "
+                              "generation prompt or its last message",
+}
 
 
 class _Strict(BaseModel):
@@ -64,8 +119,9 @@ class _Request(_Strict):
     top_p: TopP = 1.0
     top_k: TopK = -1
     seed: Seed | None = None
-    n: Literal[1] = 1
-    stop: StopString | Annotated[list[StopString], Field(max_length=4)] | None = None
+    # NOTE: each choice is one engine request: seed + i for choice i (engine.serve.app)
+    n: Annotated[int, Field(ge=1, le=MAX_N)] = 1
+    stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP)] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
@@ -73,6 +129,34 @@ class _Request(_Strict):
     presence_penalty: Neutral | None = None
     frequency_penalty: Neutral | None = None
     logprobs: Literal[False, 0] | None = None
+    logit_bias: Annotated[dict[str, Any], Field(max_length=0)] | None = None
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop_shape(cls, v: Any) -> Any:
+        # NOTE: before the union's own checks, whose errors name a union member, not the rule.
+        if isinstance(v, list) and len(v) > MAX_STOP:
+            raise ValueError(f"{len(v)} stop strings; this server takes at most {MAX_STOP} "
+                             f"(OpenAI's limit)")
+        if v is not None and not (isinstance(v, str) and v or isinstance(v, list) and all(
+                isinstance(x, str) and x for x in v)):
+            raise ValueError("must be a non-empty string or a list of non-empty strings")
+        return v
+
+    @field_validator("n", mode="before")
+    @classmethod
+    def _n_choices(cls, v: Any) -> Any:
+        if type(v) is int and v > MAX_N:
+            raise ValueError(f"n is {v}; this server generates at most {MAX_N} choices per "
+                             f"request")
+        return v
+
+    @field_validator("logit_bias", mode="before")
+    @classmethod
+    def _no_bias(cls, v: Any) -> Any:
+        if isinstance(v, dict) and v:
+            raise ValueError("logit_bias is not supported: only {} (no bias) is accepted")
+        return v
 
     @field_validator("stream_options")
     @classmethod
@@ -94,8 +178,31 @@ class _Request(_Strict):
 class CompletionRequest(_Request):
     prompt: Text | Ids | Annotated[list[Text] | list[Ids], Field(min_length=1, max_length=1)]
     echo: Literal[False] = False
-    best_of: Literal[1] = 1
+    best_of: Positive | None = None
     suffix: Literal[""] | None = None
+
+    @field_validator("best_of")
+    @classmethod
+    def _best_of_is_n(cls, v: Any, info: ValidationInfo) -> Any:
+        n = info.data.get("n", 1)
+        if v is not None and v != n:
+            raise ValueError(f"best_of is {v}, but this server returns every choice it "
+                             f"generates (no ranking by log-probability): best_of must equal n "
+                             f"({n}) or be left out")
+        return v
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _prompt_shape(cls, v: Any) -> Any:
+        one = v[0] if isinstance(v, list) and len(v) == 1 and isinstance(v[0], str | list) else v
+        if isinstance(v, list) and len(v) > 1 and isinstance(v[0], str | list):
+            raise ValueError(f"a list of {len(v)} prompts; this server takes one prompt per "
+                             f"request")
+        if isinstance(one, str) and one or isinstance(one, list) and one and all(
+                type(t) is int for t in one):
+            return v
+        raise ValueError("must be a non-empty string or a non-empty list of token ids (or a "
+                         "list holding one of those)")
 
     def one_prompt(self) -> str | list[int]:
         p = self.prompt
@@ -128,17 +235,48 @@ TemplateKey = Annotated[str, Field(pattern=r"^(?!(?:self|messages|tools|document
                                            r"add_generation_prompt)$)[A-Za-z_]\w*$")]
 
 
+class ResponseFormat(_Strict):
+    type: str
+
+
 class ChatRequest(_Request):
     """`tools` reach the chat template; `tool_choice` "none" leaves the answer unparsed, a named
-    function is prompted like "auto" and only its calls are returned (no guided decoding)."""
+    function is prompted like "auto" and only its calls are returned (no guided decoding);
+    "required" is refused (it needs constrained decoding, which the engine's step does not do).
+    `parallel_tool_calls` false returns at most the first well-formed call (the app drops the
+    rest). `response_format` takes only `{"type": "text"}`: `json_object` and `json_schema` need
+    constrained decoding too."""
 
     model_config = ConfigDict(regex_engine="python-re")  # TemplateKey looks ahead
     # NOTE: the chat renderer checks the messages (engine.chat), the one place that knows them
-    messages: Annotated[list[dict[str, Any]], Field(min_length=1)]
+    messages: Annotated[list[dict[str, Any]], Field(min_length=1, max_length=MAX_MESSAGES)]
     max_completion_tokens: Positive | None = None
-    tools: list[Tool] | None = None
+    tools: Annotated[list[Tool], Field(max_length=MAX_TOOLS)] | None = None
     tool_choice: Literal["none", "auto"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    response_format: ResponseFormat | None = None
+    top_logprobs: Literal[0] | None = None
     chat_template_kwargs: dict[TemplateKey, Any] | None = None
+
+    @field_validator("tool_choice", mode="before")
+    @classmethod
+    def _tool_choice_supported(cls, v: Any) -> Any:
+        if v == "required":
+            raise ValueError("'required' is not supported: forcing a call needs constrained "
+                             "decoding, which this server does not do; send 'auto', 'none' or "
+                             "a named function ({'type': 'function', 'function': {'name': "
+                             "...}}: prompted like 'auto', only its calls returned)")
+        return v
+
+    @field_validator("response_format", mode="before")
+    @classmethod
+    def _text_only(cls, v: Any) -> Any:
+        kind = v.get("type") if isinstance(v, dict) else None
+        if isinstance(kind, str) and kind != "text":
+            raise ValueError(f"type {kind!r} is not supported: this server supports only "
+                             f"{{'type': 'text'}} (json_object and json_schema need constrained "
+                             f"decoding, which this server does not do)")
+        return v
 
     @field_validator("tool_choice")
     @classmethod
@@ -148,10 +286,15 @@ class ChatRequest(_Request):
             raise ValueError(f"tool_choice names {name!r}, which is not among tools")
         return v
 
+    def content_bytes(self) -> int:
+        """UTF-8 bytes of the text content of the messages other than the assistant's (a
+        template may cut those, e.g. earlier reasoning): every byte of it reaches the prompt as
+        ordinary text, so the prompt has at least this many bytes of it."""
+        return _content_bytes(self.messages)
+
     def template_inputs(self) -> tuple[list[dict[str, Any]], dict[str, Any]]:
         """The messages and keyword arguments of `Tokenizer.apply_chat_template`."""
-        tools = [t.model_dump(exclude_unset=True) for t in self.tools or []] or None
-        return self.messages, {"tools": tools, **(self.chat_template_kwargs or {})}
+        return _template_inputs(self.messages, self.tools, self.chat_template_kwargs)
 
     def parsing(self) -> dict[str, Any]:
         """How to read the answer: options of `engine.toolcalls.OutputStream`."""
@@ -160,3 +303,78 @@ class ChatRequest(_Request):
                 "only": choice.function.name if isinstance(choice, NamedToolChoice) else None,
                 "reasoning": (self.chat_template_kwargs or {}).get("thinking") is not False}
 
+
+
+def _content_bytes(messages: list[dict[str, Any]]) -> int:
+    n = 0
+    for m in messages:
+        c = m.get("content") if m.get("role") != "assistant" else None
+        parts = [c] if isinstance(c, str) else [p.get("text") for p in c if isinstance(
+            p, dict) and p.get("type") == "text"] if isinstance(c, list) else []
+        n += sum(len(p.encode("utf-8", "surrogatepass")) for p in parts if isinstance(p, str))
+    return n
+
+
+def _template_inputs(messages: list[dict[str, Any]], tools: list[Tool] | None,
+                     kwargs: dict[str, Any] | None) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    dumped = [t.model_dump(exclude_unset=True) for t in tools or []] or None
+    return messages, {"tools": dumped, **(kwargs or {})}
+
+
+# ---- /tokenize and /detokenize (vLLM's bodies) -------------------------------------------------
+
+
+class TokenizeCompletionRequest(_Strict):
+    """vLLM's: a text as `/v1/completions` encodes it. This tokenizer adds no special tokens to
+    a text, so `add_special_tokens` changes nothing (as with Kimi's tokenizer in vLLM).
+    Extension: `return_prompt` echoes the text as `prompt`, as the chat form does."""
+
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True
+    return_token_strs: bool = False
+    return_prompt: bool = False
+
+
+class TokenizeChatRequest(_Strict):
+    """vLLM's: a conversation as `/v1/chat/completions` renders and encodes it (the same
+    messages, tools and chat_template_kwargs); `add_generation_prompt` false leaves the
+    assistant's opening out. Extension: `return_prompt` gives the rendered prompt text, what
+    the model is fed (its ids are not that text's plain encoding: special-token strings inside
+    the caller's strings stay plain text)."""
+
+    model_config = ConfigDict(regex_engine="python-re")  # TemplateKey looks ahead
+    model: str | None = None
+    messages: Annotated[list[dict[str, Any]], Field(min_length=1, max_length=MAX_MESSAGES)]
+    tools: Annotated[list[Tool], Field(max_length=MAX_TOOLS)] | None = None
+    add_generation_prompt: bool = True
+    add_special_tokens: bool = False
+    chat_template_kwargs: dict[TemplateKey, Any] | None = None
+    return_token_strs: bool = False
+    return_prompt: bool = False
+
+    def content_bytes(self) -> int:
+        return _content_bytes(self.messages)
+
+    def template_inputs(self) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+        messages, kw = _template_inputs(self.messages, self.tools, self.chat_template_kwargs)
+        return messages, {"add_generation_prompt": self.add_generation_prompt, **kw}
+
+
+class DetokenizeRequest(_Strict):
+    model: str | None = None
+    tokens: list[int]
+
+
+def parse_tokenize(raw: bytes, limit: int = MAX_BODY_BYTES
+                   ) -> TokenizeCompletionRequest | TokenizeChatRequest:
+    """A `/tokenize` body: the chat form when it is an object with `messages`, else the text
+    form (whose parse names what is wrong)."""
+    chat = False
+    if b"messages" in raw and len(raw) <= limit and json_cost(raw) <= MAX_JSON_COST:
+        try:
+            obj = json.loads(raw)
+            chat = isinstance(obj, dict) and "messages" in obj
+        except ValueError:
+            pass
+    return parse(raw, TokenizeChatRequest if chat else TokenizeCompletionRequest, limit)
