@@ -4,7 +4,7 @@ then turned into token ids so that only the template's own special tokens become
 Template. `load_chat_template(dir)` reads `chat_template.jinja` when present, else the
 `chat_template` entry of `tokenizer_config.json` (a string, or a list of named templates); the
 file wins when both exist, as in transformers' `from_pretrained`. A checkpoint without one gets
-`FALLBACK_CHAT_TEMPLATE`, the single source of the engine's own rendering of Kimi's documented
+`FALLBACK_CHAT_TEMPLATE`, the single source of the engine's own rendering of Kimi-K2.5's
 format (see its comment).
 
 Rendering (`render_template`; jinja2 only, transformers is not imported) reproduces
@@ -18,8 +18,12 @@ jinja environment (immutable sandbox, `trim_blocks`, `lstrip_blocks`, loop contr
 (`bos_token`, `eos_token`, ...) and any extra template kwargs (`thinking`, or whatever
 `chat_template_kwargs` a request carries), which override the named tokens. `ChatRenderer` adds
 what Kimi's own tokenizer adds in its `apply_chat_template` override: tool definitions have
-their dict keys sorted recursively before rendering. Tool-call `arguments` given as strings
-are rendered verbatim (vLLM parses them into dicts first; the engine leaves that to callers).
+their dict keys sorted recursively before rendering, and a template that reads `tools_ts_str`
+(K2.5's) gets the TypeScript-style declaration of the sorted tools under that name
+(`engine.tool_declaration`; it replaces a caller's value, as in Kimi's tokenizer), unless the
+encoder rejects a schema, when the template falls back to its JSON declaration. Tool-call
+`arguments` given as strings are rendered verbatim (vLLM parses them into dicts first; the engine
+leaves that to callers).
 
 Special tokens typed by users. Before rendering, every string the caller supplies (message
 fields, tool definitions, template kwargs; dict keys too) has each special-token string in it
@@ -61,10 +65,13 @@ from pydantic import (
 )
 
 from engine.config import error_text
+from engine.tool_declaration import tools_ts_str
 
 CONFIG_FILE = "tokenizer_config.json"
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
 DEFAULT_SYSTEM_PROMPT = "You are Kimi, an AI assistant created by Moonshot AI."
+# K2.5's template variable for the TypeScript-style tool declaration (engine.tool_declaration).
+TOOLS_TS_KWARG = "tools_ts_str"
 
 
 class TokenizerError(ValueError):
@@ -92,22 +99,26 @@ _NAMED_TOKEN_KEYS = (
     "bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token",
 )
 
-# The engine's rendering of Kimi's documented chat format, for checkpoints without a template:
-# - a first turn `<|im_system|>tool_declare<|im_middle|>{tools as compact JSON}<|im_end|>` when
-#   tools are given, then the default system prompt when the conversation has no system message;
+# The engine's rendering of Kimi's chat format, for checkpoints without a template. It follows
+# Kimi-K2.5's template (tests/fixtures/chat/kimi_k25.jinja) for text messages:
+# - a first turn `<|im_system|>tool_declare<|im_middle|>{declaration}<|im_end|>` when tools are
+#   given: `tools_ts_str` (the TypeScript-style declaration ChatRenderer computes), else the tools
+#   as compact JSON; no default system prompt is added;
 # - each message `<|im_{opener}|>{name or role}<|im_middle|>{content}<|im_end|>` (tool results
 #   open with <|im_system|>); list content is the concatenation of its text parts;
 # - assistant tool calls `<|tool_calls_section_begin|><|tool_call_begin|>{id}
 #   <|tool_call_argument_begin|>{arguments}<|tool_call_end|>...<|tool_calls_section_end|>` after
-#   the content; a call without an id gets `functions.{name}:{n}`, n counting calls so far;
-#   string arguments are kept verbatim, others rendered with `tojson`;
-# - a tool result `## Return of {tool_call_id}\n{content}` (just the content without an id);
-# - thinking style only when the `thinking` kwarg is given (K2.5's switch): assistant turns up
-#   to the last one without tool calls keep `<think></think>`; later ones (the tool-calling turn
-#   in progress) keep `<think>{reasoning_content}</think>`, or `<think></think>` when thinking
-#   is false; the generation prompt `<|im_assistant|>assistant<|im_middle|>` then ends in
-#   `<think>` (thinking) or `<think></think>` (instant). Without the kwarg there are no think
-#   tags and earlier reasoning is dropped (K2-Instruct style).
+#   the content; string arguments are kept verbatim, others rendered with `tojson`;
+# - a tool result `## Return of {tool_call_id}\n{content}`;
+# - thinking is on unless the `thinking` kwarg is false (K2.5's switch): assistant turns up to
+#   the last one without tool calls get `<think></think>` (earlier reasoning is dropped); later
+#   ones (the tool-calling turn in progress) get `<think>{reasoning_content}</think>`, or
+#   `<think></think>` when thinking is false; the generation prompt
+#   `<|im_assistant|>assistant<|im_middle|>` then ends in `<think>`, or `<think></think>` when
+#   thinking is false.
+# Beyond K2.5 (which renders such input as "None" or fails): a call without an id gets
+# `functions.{name}:{n}`, n counting calls so far; a tool result without a tool_call_id is just
+# its content; a message whose content is None has empty content.
 FALLBACK_CHAT_TEMPLATE = (
     "{%- macro content_text(message) -%}"
     "{%- set c = message.get('content') -%}"
@@ -115,7 +126,6 @@ FALLBACK_CHAT_TEMPLATE = (
     "{%- elif c is not none -%}{%- for part in c -%}{{ part['text'] }}{%- endfor -%}"
     "{%- endif -%}"
     "{%- endmacro -%}"
-    "{%- set think = thinking is defined and thinking is not none -%}"
     "{%- set ns = namespace(last_plain=-1, calls=0) -%}"
     "{%- for m in messages -%}"
     "{%- if m['role'] == 'assistant' and not m.get('tool_calls') -%}"
@@ -123,21 +133,20 @@ FALLBACK_CHAT_TEMPLATE = (
     "{%- endif -%}"
     "{%- endfor -%}"
     "{%- if tools -%}"
-    "<|im_system|>tool_declare<|im_middle|>{{ tools | tojson(separators=(',', ':')) }}<|im_end|>"
+    "<|im_system|>tool_declare<|im_middle|>"
+    "{%- if tools_ts_str -%}{{ tools_ts_str }}"
+    "{%- else -%}{{ tools | tojson(separators=(',', ':')) }}"
     "{%- endif -%}"
-    "{%- if messages[0]['role'] != 'system' -%}"
-    "<|im_system|>system<|im_middle|>" + DEFAULT_SYSTEM_PROMPT + "<|im_end|>"
+    "<|im_end|>"
     "{%- endif -%}"
     "{%- for message in messages -%}"
     "{%- set role = message['role'] -%}"
     "{%- set name = message.get('name') or role -%}"
     "{%- if role == 'user' -%}<|im_user|>{{ name }}<|im_middle|>{{ content_text(message) }}"
     "{%- elif role == 'assistant' -%}<|im_assistant|>{{ name }}<|im_middle|>"
-    "{%- if think -%}"
     "{%- if loop.index0 > ns.last_plain and thinking is not false -%}"
     "<think>{{ message.get('reasoning_content') or '' }}</think>"
     "{%- else -%}<think></think>"
-    "{%- endif -%}"
     "{%- endif -%}"
     "{{ content_text(message) }}"
     "{%- if message.get('tool_calls') -%}<|tool_calls_section_begin|>"
@@ -161,8 +170,7 @@ FALLBACK_CHAT_TEMPLATE = (
     "<|im_end|>"
     "{%- endfor -%}"
     "{%- if add_generation_prompt -%}<|im_assistant|>assistant<|im_middle|>"
-    "{%- if think -%}{%- if thinking is false -%}<think></think>{%- else -%}<think>{%- endif -%}"
-    "{%- endif -%}"
+    "{%- if thinking is false -%}<think></think>{%- else -%}<think>{%- endif -%}"
     "{%- endif -%}"
 )
 
@@ -512,7 +520,12 @@ class ChatRenderer:
             raise TokenizerError(f"template kwargs {sorted(clash)} are set by the renderer")
         template = select_template(self.template, tools)
         sorted_tools = sort_keys_deep(tools) if tools is not None else None
-        return template, messages, sorted_tools, dict(template_kwargs)
+        kw = dict(template_kwargs)
+        if sorted_tools and TOOLS_TS_KWARG in template:
+            declared = tools_ts_str(sorted_tools)
+            if declared is not None:  # else the template declares the tools as JSON
+                kw[TOOLS_TS_KWARG] = declared
+        return template, messages, sorted_tools, kw
 
     def render(
         self,

@@ -10,8 +10,9 @@ Tool calls (vLLM/SGLang `kimi_k2` format)::
     <|tool_calls_section_begin|><|tool_call_begin|>functions.{name}:{i}
     <|tool_call_argument_begin|>{JSON arguments}<|tool_call_end|>...<|tool_calls_section_end|>
 
-- `parse_tool_calls(text) -> ToolParseResult(content, tool_calls: list[ToolCall])`.
-- `ToolCallParser().feed(delta) / .finish() -> ToolParseDelta(content, tool_calls:
+- `parse_tool_calls(text, tools=None) -> ToolParseResult(content, tool_calls: list[ToolCall])`;
+  `tools` is the request's tools (OpenAI format), used only to name calls (below).
+- `ToolCallParser(tools).feed(delta) / .finish() -> ToolParseDelta(content, tool_calls:
   tuple[ToolCallDelta, ...])`. OpenAI streaming semantics: a call's first delta carries its
   `index` (0-based position among this output's calls), `id` (`functions.get_weather:0`, as
   generated) and `name` (`get_weather`: the id without a leading `functions.` and the trailing
@@ -19,53 +20,63 @@ Tool calls (vLLM/SGLang `kimi_k2` format)::
   call's fragments gives its arguments (surrounding whitespace stripped; the JSON is passed on
   as generated, not validated). `ToolCallDelta.to_openai()` gives the
   `choices[].delta.tool_calls[]` dict, `merge_tool_call_deltas` the finished calls.
-- Whitespace may separate the markers. A call exists once its id is complete (at
-  `<|tool_call_argument_begin|>`): from then on its arguments stream, and a missing
-  `<|tool_call_end|>` is implied by the next `<|tool_call_begin|>`, by
-  `<|tool_calls_section_end|>` or by the end of the text (arguments as far as generated).
-- Malformed input becomes content, verbatim: a section whose first call is broken or missing
-  (an empty section; text other than whitespace before `<|tool_call_begin|>`; an id that is
-  not `[functions.]name:digits` or is longer than MAX_ID_CHARS; another marker inside the id;
-  the text ending before the id is complete) is content from its
-  `<|tool_calls_section_begin|>` on; a later broken call is content from its
-  `<|tool_call_begin|>` on; text after a finished call that is neither whitespace nor a marker
-  is content from there on. Content is then scanned again, so a later well-formed section still
-  parses. Markers outside a section are content. An output without a recognised call thus comes
-  back as content, unchanged.
+- A call exists once its id is complete (at `<|tool_call_argument_begin|>`): from then on its
+  arguments stream, and a missing `<|tool_call_end|>` is implied by the next
+  `<|tool_call_begin|>`, by a section marker or by the end of the text (arguments as far as
+  generated). An id that names no function (a bare counter `0`, as K2.5 emits; a client's
+  `call_3`, `toolu_01...` or UUID, after a client rewrote the history's ids: letters, digits,
+  `_` and `-`) takes its name from the request's tools: the only one, else, once its arguments
+  are complete, the one whose schema they fit (a JSON object whose keys are all declared
+  properties and hold every required one); such a call then arrives in one delta.
+- Nothing is lost to a malformed call but the call itself, and no marker ever reaches the
+  content: a call whose id is neither form (or has no tools to name it, or fits no single
+  tool), is longer than MAX_ID_CHARS, or never reaches `<|tool_call_argument_begin|>` is
+  dropped, and the calls around it are kept; text inside a section that is not a call (noise
+  before the first call, `", "` between calls, an empty or unparseable section) is dropped;
+  whitespace right after a section is dropped unless text follows. A bare
+  `<|tool_call_begin|>` outside a section opens one call as if a section had begun (K2.5 may
+  emit one without the section); if that call never gets its arguments, its text is content.
+  Other markers outside a section are dropped. Text after a section is content.
 
 Reasoning (`<think>...</think>`):
 
 - `parse_reasoning(text, in_reasoning=False) -> ReasoningResult(reasoning: str | None,
   content)`; `ReasoningParser(in_reasoning).feed / .finish -> ReasoningDelta(reasoning,
   content)`.
-- Reasoning starts with a leading `<think>` in the output, or implicitly when the prompt ended
-  with `<think>` (`in_reasoning=True`; `prompt_opens_reasoning(prompt_text)` tells, e.g. K2.5's
-  thinking generation prompt; K2.5's instant prompt ends with `<think></think>`). It ends at
-  `</think>` (dropped) or at `<|tool_calls_section_begin|>` (kept: it begins the content, for
-  the tool parser). Output that never enters reasoning is all content (`reasoning` None).
+- Reasoning starts with a leading `<think>` in the output (whitespace before it is dropped too,
+  as vLLM's Kimi parsers do), or implicitly when the prompt ended with `<think>`
+  (`in_reasoning=True`; `prompt_opens_reasoning(prompt_text)` tells, e.g. K2.5's thinking
+  generation prompt; K2.5's instant prompt ends with `<think></think>`). It ends at `</think>`
+  (dropped) or where tool calls begin, at `<|tool_calls_section_begin|>` or a bare
+  `<|tool_call_begin|>` (kept: it begins the content, for the tool parser); other tool-call
+  markers inside it are dropped. Output that never enters reasoning is all content (`reasoning`
+  None).
 
-Both together: `parse_output(text, ...) -> ParsedOutput(reasoning, content, tool_calls)` and
-`OutputParser(...).feed / .finish -> OutputDelta(reasoning, content, tool_calls)`: the reasoning
-parser first, the tool parser on its content.
+Both together: `parse_output(text, *, tools=None, in_reasoning=False) -> ParsedOutput(reasoning,
+content, tool_calls)` (`.to_openai()`: the `content`, `reasoning_content` and `tool_calls` of
+an OpenAI chat message) and `OutputParser(...).feed / .finish -> OutputDelta(reasoning, content,
+tool_calls)`: the reasoning parser first, the tool parser on its content.
 
 From token ids (what a server streams): `OutputStream(tokenizer, prompt_ids, stop, tools=,
-reasoning=, only=)`; `push(ids)` and `end(ids, text_end)` return `OutputDelta`s, `result()` the
-whole `ParsedOutput`, `finish_reason(reason)` says `tool_calls` for a stop after calls. The text
-is `tokenizer.decode(ids, skip_special_tokens=True)`, released by an `engine.tokenizer.TextStream`
-(the longest stop string less one character waits, and `end` cuts at `text_end`, an offset in
-that text), plus the names of the special ids among the parsers' markers (tool-call markers with
-`tools`, `<think>`/`</think>` with `reasoning`) where they were generated; a marker id leaves
-with the text before it (one right at a cut comes before it). Without markers to parse, the
-content is exactly the TextStream text. Reasoning is implicit when the prompt ids end in
-`<think>`. `only` keeps the calls of that function (others are dropped) and renumbers them from
-0. `to_openai()` of a delta or a result gives the fields of an OpenAI chat `delta` or `message`.
+reasoning=, only=, request_tools=)` (`request_tools`: the request's tools, to name calls);
+`push(ids)` and `end(ids, text_end)` return `OutputDelta`s, `result()` the whole `ParsedOutput`,
+`finish_reason(reason)` says `tool_calls` for a stop after calls. The text is `tokenizer.decode(ids,
+skip_special_tokens=True)`, released by an `engine.tokenizer.TextStream` (the longest stop string
+less one character waits, and `end` cuts at `text_end`, an offset in that text), plus the names of
+the special ids among the parsers' markers (tool-call markers with `tools`, `<think>`/`</think>`
+with `reasoning`) where they were generated; a marker id leaves with the text before it (one right
+at a cut comes before it). Without markers to parse, the content is exactly the TextStream text.
+Reasoning is implicit when the prompt ids end in `<think>`. `only` keeps the calls of that function
+(others are dropped) and renumbers them from 0. `to_openai()` of a delta or a result gives the
+fields of an OpenAI chat `delta` or `message`.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -83,8 +94,11 @@ THINK_END = "</think>"
 MAX_ID_CHARS = 512
 
 _ALL_MARKERS = (SECTION_BEGIN, SECTION_END, CALL_BEGIN, ARGUMENT_BEGIN, CALL_END)
-_ARGS_ENDS = (CALL_END, CALL_BEGIN, SECTION_END)
+_ARGS_ENDS = (CALL_END, CALL_BEGIN, SECTION_END, SECTION_BEGIN)
 _INDEX_RE = re.compile(r"[0-9]+")
+# Ids that name no function: a bare counter (`0`, from K2.5) or a client's (`call_3`,
+# `toolu_01...`, a UUID), after a client rewrote the ids in the history.
+_CLIENT_ID_RE = re.compile(r"[A-Za-z0-9_-]+")
 
 
 @dataclass(frozen=True)
@@ -238,19 +252,64 @@ def merge_tool_call_deltas(deltas: Iterable[ToolCallDelta]) -> list[ToolCall]:
 
 
 _NORMAL, _OPEN, _ID, _ARGS = range(4)
+# How a call's name is known: from its id, from the request's tools at its end, or not at all.
+_NAMED, _PENDING, _DROPPED = range(3)
+
+
+def function_tools(tools: Iterable[Mapping[str, Any]] | None) -> list[Mapping[str, Any]]:
+    """The `function` entries of a request's OpenAI-style tools (others skipped)."""
+    out = []
+    for t in tools or ():
+        f = t.get("function") if isinstance(t, Mapping) else None
+        if (isinstance(f, Mapping) and t.get("type", "function") == "function"
+                and isinstance(f.get("name"), str)):
+            out.append(f)
+    return out
+
+
+def _fits(arguments: Any, function: Mapping[str, Any]) -> bool:
+    """Whether parsed `arguments` fit `function`'s parameters: an object whose keys are all
+    declared properties and that has every required one."""
+    params = function.get("parameters")
+    params = params if isinstance(params, Mapping) else {}
+    props = params.get("properties")
+    required = params.get("required")
+    props = set(props) if isinstance(props, Mapping) else set()
+    required = {r for r in required if isinstance(r, str)} if isinstance(required, list) else set()
+    return set(arguments) <= props and required <= set(arguments)
+
+
+def resolve_name(arguments: str, functions: Sequence[Mapping[str, Any]]) -> str | None:
+    """The function a call without a usable name belongs to: the only one, else the only one
+    whose schema its arguments (a JSON object) fit; None when that is not one function."""
+    if len(functions) == 1:
+        return functions[0]["name"]
+    try:
+        parsed = json.loads(arguments)
+    except ValueError:
+        return None
+    if not isinstance(parsed, dict):
+        return None
+    fit = [f["name"] for f in functions if _fits(parsed, f)]
+    return fit[0] if len(fit) == 1 else None
 
 
 class ToolCallParser:
-    """Incremental Kimi tool-call parser (see the module docstring for the rules)."""
+    """Incremental Kimi tool-call parser (see the module docstring for the rules).
 
-    def __init__(self) -> None:
+    `tools`: the request's tools (OpenAI format), to name calls whose id has no name."""
+
+    def __init__(self, tools: Iterable[Mapping[str, Any]] | None = None) -> None:
+        self._functions = function_tools(tools)
         self._buf = ""  # text not yet consumed
         self._state = _NORMAL
-        self._anchor = ""  # marker where the unfinished element began ("" if none)
-        self._held = ""  # original text since the anchor (anchor included)
+        self._implicit = False  # the section was opened by a bare <|tool_call_begin|>
+        self._after = False  # a section just ended: whitespace up to the next text is dropped
         self._id = ""  # id text of the call being read
-        self._section_calls = 0  # calls started in the current section
+        self._mode = _NAMED
+        self._call_id = ""
         self._count = 0  # calls so far: the index of the next one
+        self._raw: list[str] = []  # arguments of a call waiting for its name
         self._args_started = False
         self._pending_ws = ""  # trailing whitespace of the arguments, held back
         self._content: list[str] = []  # what the current feed()/finish() produces
@@ -264,7 +323,7 @@ class ToolCallParser:
     def finish(self) -> ToolParseDelta:
         """Flushes held-back text (the output ended); the parser may then be fed again."""
         delta = self._run(final=True)
-        self._state, self._buf, self._anchor, self._held = _NORMAL, "", "", ""
+        self._state, self._buf, self._after, self._implicit = _NORMAL, "", False, False
         return delta
 
     def _run(self, final: bool) -> ToolParseDelta:
@@ -273,102 +332,135 @@ class ToolCallParser:
             pass
         return ToolParseDelta("".join(self._content), _merge(self._calls))
 
-    def _abandon(self) -> None:
-        """The unfinished element is malformed: its anchor is content, the rest is scanned
-        again as ordinary text."""
-        self._content.append(self._anchor)
-        self._buf = self._held[len(self._anchor) :] + self._buf
-        self._anchor = self._held = self._id = ""
-        self._state = _NORMAL
+    def _text(self, text: str) -> None:
+        """Ordinary text outside sections: content, but whitespace right after a section is
+        held until text follows (dropped before a marker or at the end)."""
+        if self._after:
+            if not text.strip():
+                return
+            self._after = False
+        self._content.append(text)
+
+    def _marker(self, marker: str) -> None:
+        """A marker outside a call's id and arguments (the call before it, if any, is over)."""
+        if marker == SECTION_BEGIN:
+            self._state, self._implicit = _OPEN, False
+        elif marker == CALL_BEGIN:
+            if self._state == _NORMAL:
+                self._implicit = True  # a call without its section: as if the section began
+            self._state, self._id = _ID, ""
+        elif marker == SECTION_END or (marker == CALL_END and self._implicit):
+            self._state, self._after, self._implicit = _NORMAL, True, False
+        elif self._state != _NORMAL:
+            self._state = _OPEN
+        # NOTE: a stray marker in ordinary text is dropped: no marker ever reaches the content
 
     def _step(self, final: bool) -> bool:
         buf = self._buf
-        if self._state == _NORMAL:
-            i = buf.find(SECTION_BEGIN)
-            if i >= 0:
-                self._content.append(buf[:i])
-                self._buf = buf[i + len(SECTION_BEGIN) :]
-                self._state, self._section_calls = _OPEN, 0
-                self._anchor = self._held = SECTION_BEGIN
-                return True
-            keep = 0 if final else _held_suffix(buf, (SECTION_BEGIN,))
-            self._content.append(buf[: len(buf) - keep])
-            self._buf = buf[len(buf) - keep :]
-            return False
-        if self._state == _OPEN:
-            rest = buf.lstrip()
-            ws = buf[: len(buf) - len(rest)]
-            if rest.startswith(CALL_BEGIN):
-                if self._section_calls == 0:
-                    self._held += ws + CALL_BEGIN
-                else:
-                    self._anchor = self._held = CALL_BEGIN
-                self._buf = rest[len(CALL_BEGIN) :]
-                self._state, self._id = _ID, ""
-                return True
-            if rest.startswith(SECTION_END) and self._section_calls:
-                self._buf = rest[len(SECTION_END) :]
-                self._state, self._anchor, self._held = _NORMAL, "", ""
-                return True
-            waiting = not rest or CALL_BEGIN.startswith(rest) or SECTION_END.startswith(rest)
-            if waiting and not final:
-                return False
-            if self._section_calls == 0:  # the first call never came: all of it is content
-                self._held += ws
-                self._buf = rest
-                self._abandon()
-            else:  # after a finished call: the text from here on is content
-                self._buf = rest
-                self._state, self._anchor, self._held = _NORMAL, "", ""
-            return True
-        if self._state == _ID:
+        if self._state in (_NORMAL, _OPEN):
             found = _first(buf, _ALL_MARKERS)
             if found is not None:
                 i, marker = found
-                self._id += buf[:i]
-                self._held += buf[:i]
-                self._buf = buf[i:]
-                name = parse_call_id(self._id) if marker == ARGUMENT_BEGIN else None
-                if name is None:
-                    self._abandon()
-                    return True
-                self._buf = buf[i + len(ARGUMENT_BEGIN) :]
-                self._calls.append(ToolCallDelta(self._count, self._id.strip(), name))
-                self._count += 1
-                self._section_calls += 1
-                self._state, self._anchor, self._held, self._id = _ARGS, "", "", ""
-                self._args_started, self._pending_ws = False, ""
+                if self._state == _NORMAL:
+                    self._text(buf[:i])
+                # else: text inside a section that is not a call (noise, separators): dropped
+                self._buf = buf[i + len(marker) :]
+                self._marker(marker)
                 return True
             keep = 0 if final else _held_suffix(buf, _ALL_MARKERS)
-            self._id += buf[: len(buf) - keep]
-            self._held += buf[: len(buf) - keep]
+            if self._state == _NORMAL:
+                if self._after and not final and not buf[: len(buf) - keep].strip():
+                    return False  # only whitespace so far: wait for what follows it
+                self._text(buf[: len(buf) - keep])
             self._buf = buf[len(buf) - keep :]
-            if final or len(self._id) > MAX_ID_CHARS:
-                self._abandon()
+            if final:
+                self._state = _NORMAL
+            return False
+        if self._state == _ID:
+            found = _first(buf, _ALL_MARKERS)
+            end = found[0] if found is not None else len(buf) - (
+                0 if final else _held_suffix(buf, _ALL_MARKERS))
+            # NOTE: an id is cut at a fixed length, wherever the chunks fall
+            room = MAX_ID_CHARS + 1 - len(self._id)
+            if end > room:
+                self._id += buf[:room]
+                self._buf = buf[room:]
+                self._drop_id()
                 return True
+            self._id += buf[:end]
+            self._buf = buf[end:]
+            if found is not None:
+                self._buf = buf[end + len(found[1]) :]
+                if found[1] == ARGUMENT_BEGIN:
+                    self._begin_call()
+                else:
+                    self._drop_id()
+                    self._marker(found[1])
+                return True
+            if final:
+                self._drop_id()
             return False
         # _ARGS
         found = _first(buf, _ARGS_ENDS)
         if found is not None:
             i, marker = found
             self._arguments(buf[:i], end=True)
+            self._end_call()
             self._buf = buf[i + len(marker) :]
-            if marker == CALL_END:
-                self._state = _OPEN
-            elif marker == CALL_BEGIN:
-                self._state, self._id = _ID, ""
-                self._anchor = self._held = CALL_BEGIN
-            else:
-                self._state = _NORMAL
+            self._state = _OPEN
+            self._marker(marker)
             return True
         keep = 0 if final else _held_suffix(buf, _ARGS_ENDS)
         self._arguments(buf[: len(buf) - keep], end=final)
         self._buf = buf[len(buf) - keep :]
         if final:
+            self._end_call()
             self._state = _NORMAL
         return False
 
+    def _drop_id(self) -> None:
+        """The call being read never got its arguments: inside a section it is dropped; after a
+        bare <|tool_call_begin|> its text is content (the marker alone is dropped)."""
+        if self._implicit:
+            self._state, self._implicit = _NORMAL, False
+            self._text(self._id)
+        else:
+            self._state = _OPEN
+        self._id = ""
+
+    def _begin_call(self) -> None:
+        raw = self._id.strip()
+        name = parse_call_id(raw)
+        self._call_id, self._raw, self._mode = raw, [], _NAMED
+        self._args_started, self._pending_ws = False, ""
+        self._state, self._id = _ARGS, ""
+        if (name is None and len(raw) <= MAX_ID_CHARS and _CLIENT_ID_RE.fullmatch(raw)
+                and self._functions):
+            if len(self._functions) == 1:
+                name = self._functions[0]["name"]
+            else:
+                self._mode = _PENDING  # named by its arguments, once they are complete
+                return
+        if name is None:
+            self._mode = _DROPPED
+            return
+        self._calls.append(ToolCallDelta(self._count, raw, name))
+        self._count += 1
+
+    def _end_call(self) -> None:
+        if self._mode == _PENDING:
+            arguments = "".join(self._raw).strip()
+            name = resolve_name(arguments, self._functions)
+            if name is not None:
+                self._calls.append(ToolCallDelta(self._count, self._call_id, name, arguments))
+                self._count += 1
+        self._mode, self._raw = _DROPPED, []
+
     def _arguments(self, text: str, end: bool) -> None:
+        if self._mode != _NAMED:
+            if self._mode == _PENDING:
+                self._raw.append(text)
+            return
         if not self._args_started:
             text = text.lstrip()
             if not text:
@@ -381,9 +473,10 @@ class ToolCallParser:
             self._calls.append(ToolCallDelta(self._count - 1, arguments=body))
 
 
-def parse_tool_calls(text: str) -> ToolParseResult:
-    """Content and tool calls of a whole generated text."""
-    parser = ToolCallParser()
+def parse_tool_calls(text: str, tools: Iterable[Mapping[str, Any]] | None = None
+                     ) -> ToolParseResult:
+    """Content and tool calls of a whole generated text (`tools`: the request's)."""
+    parser = ToolCallParser(tools)
     d = parser.feed(text) + parser.finish()
     return ToolParseResult(d.content, merge_tool_call_deltas(d.tool_calls))
 
@@ -391,6 +484,11 @@ def parse_tool_calls(text: str) -> ToolParseResult:
 # ---------------------------------------------------------------- reasoning
 
 _START, _REASONING, _CONTENT = range(3)
+# Reasoning ends at </think> (dropped) or where tool calls begin (kept for the tool parser:
+# a section, or a bare <|tool_call_begin|>, as vLLM's K2.5 parser has it); the other tool-call
+# markers are dropped from it.
+_REASONING_DROPS = (ARGUMENT_BEGIN, CALL_END, SECTION_END)
+_REASONING_ENDS = (THINK_END, SECTION_BEGIN, CALL_BEGIN, *_REASONING_DROPS)
 
 
 def prompt_opens_reasoning(prompt: str) -> bool:
@@ -420,11 +518,14 @@ class ReasoningParser:
         while True:
             buf = self._buf
             if self._state == _START:
-                if buf.startswith(THINK_BEGIN):
-                    self._buf = buf[len(THINK_BEGIN) :]
+                # NOTE: whitespace before a leading <think> is dropped with it (vLLM's Kimi
+                # parsers do so on the whole text; here streaming waits to know)
+                rest = buf.lstrip()
+                if rest.startswith(THINK_BEGIN):
+                    self._buf = rest[len(THINK_BEGIN) :]
                     self._state, self.started = _REASONING, True
                     continue
-                if THINK_BEGIN.startswith(buf) and not final:
+                if THINK_BEGIN.startswith(rest) and not final:
                     break
                 self._state = _REASONING if self._implicit else _CONTENT
                 continue
@@ -432,14 +533,17 @@ class ReasoningParser:
                 content.append(buf)
                 self._buf = ""
                 break
-            found = _first(buf, (THINK_END, SECTION_BEGIN))
+            found = _first(buf, _REASONING_ENDS)
             if found is not None:
                 i, marker = found
                 reasoning.append(buf[:i])
+                if marker in _REASONING_DROPS:  # a stray marker: never in the reasoning
+                    self._buf = buf[i + len(marker) :]
+                    continue
                 self._buf = buf[i + len(THINK_END) :] if marker == THINK_END else buf[i:]
                 self._state = _CONTENT
                 continue
-            keep = 0 if final else _held_suffix(buf, (THINK_END, SECTION_BEGIN))
+            keep = 0 if final else _held_suffix(buf, _REASONING_ENDS)
             reasoning.append(buf[: len(buf) - keep])
             self._buf = buf[len(buf) - keep :]
             break
@@ -456,15 +560,21 @@ def parse_reasoning(text: str, in_reasoning: bool = False) -> ReasoningResult:
 # ---------------------------------------------------------------- both
 
 
+Tools = Sequence[Mapping[str, Any]] | bool | None
+
+
 class OutputParser:
-    """Reasoning, content and tool calls of a streamed output. `reasoning=False` treats all
-    text as content (instant mode); `tools=False` leaves tool-call markup in the content."""
+    """Reasoning, content and tool calls of a streamed output. `tools`: the request's tools
+    (OpenAI format; they name calls whose id does not), None or True to parse calls without
+    them, False to leave tool-call markup in the content (no parsing). `reasoning=False`
+    treats all text as content (instant mode)."""
 
     def __init__(
-        self, *, reasoning: bool = True, in_reasoning: bool = False, tools: bool = True
+        self, *, tools: Tools = None, in_reasoning: bool = False, reasoning: bool = True
     ) -> None:
         self._reasoning = ReasoningParser(in_reasoning) if reasoning else None
-        self._tools = ToolCallParser() if tools else None
+        self._tools = None if tools is False else ToolCallParser(
+            None if tools is True else tools)
 
     @property
     def reasoning_started(self) -> bool:
@@ -488,10 +598,11 @@ class OutputParser:
 
 
 def parse_output(
-    text: str, *, reasoning: bool = True, in_reasoning: bool = False, tools: bool = True
+    text: str, *, tools: Tools = None, in_reasoning: bool = False, reasoning: bool = True
 ) -> ParsedOutput:
-    """Reasoning, content and tool calls of a whole generated text."""
-    parser = OutputParser(reasoning=reasoning, in_reasoning=in_reasoning, tools=tools)
+    """Reasoning, content and tool calls of a whole generated text (options as OutputParser's;
+    `in_reasoning`: the prompt ended inside <think>)."""
+    parser = OutputParser(tools=tools, in_reasoning=in_reasoning, reasoning=reasoning)
     d = parser.feed(text) + parser.finish()
     return ParsedOutput(d.reasoning if parser.reasoning_started else None, d.content,
                         merge_tool_call_deltas(d.tool_calls))
@@ -508,13 +619,15 @@ class OutputStream:
 
     def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int] = (),
                  stop: Sequence[str] = (), *, tools: bool = False, reasoning: bool = False,
-                 only: str | None = None) -> None:
+                 only: str | None = None,
+                 request_tools: Sequence[Mapping[str, Any]] | None = None) -> None:
         names = (_ALL_MARKERS if tools else ()) + ((THINK_BEGIN, THINK_END) if reasoning else ())
         specials = tokenizer.special_tokens
         self._markers = {specials[m]: m for m in names if m in specials}
         opens = reasoning and prompt_opens_reasoning(
             tokenizer.decode(list(prompt_ids[-PROMPT_TAIL_IDS:])))
-        self._parser = OutputParser(reasoning=reasoning, in_reasoning=opens, tools=tools)
+        self._parser = OutputParser(reasoning=reasoning, in_reasoning=opens,
+                                    tools=(request_tools or True) if tools else False)
         self._text = TextStream(tokenizer, stop)  # the text without special ids
         self._at: list[tuple[int, str]] = []  # markers not yet released: (offset in text, name)
         self._only = only

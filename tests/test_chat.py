@@ -13,6 +13,7 @@ from engine.chat import (
     FALLBACK_CHAT_TEMPLATE,
     MARK_END,
     MARK_START,
+    TOOLS_TS_KWARG,
     ChatRenderer,
     load_chat_template,
     mark_specials,
@@ -24,13 +25,13 @@ from engine.chat import (
 from engine.tokenizer import (
     CHAT_TEMPLATE,
     CONFIG_FILE,
-    DEFAULT_SYSTEM_PROMPT,
     MODEL_FILE,
     Tokenizer,
     TokenizerError,
     _parse_ranks,
     _relative_specials,
 )
+from engine.tool_declaration import ToolDeclarationError, encode_tools, tools_ts_str
 
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "chat"
@@ -217,6 +218,14 @@ def _outcome(fn: Any, *args: Any, **kwargs: Any) -> tuple[str, str]:
         return "error", type(e).__name__
 
 
+def _kimi_kwargs(template: str, tools: Any) -> dict[str, Any]:
+    """What Kimi's tokenizer adds for a template that reads `tools_ts_str` (K2.5's)."""
+    if not tools or TOOLS_TS_KWARG not in template:
+        return {}
+    declared = tools_ts_str(sort_keys_deep(tools))
+    return {} if declared is None else {TOOLS_TS_KWARG: declared}
+
+
 # ---------------------------------------------------------------- parity with transformers
 
 
@@ -231,7 +240,8 @@ def test_rendering_equals_transformers(template: str, hf_tokenizers: dict[str, A
             # Kimi's tokenizer sorts tool keys before handing them to transformers
             want = _outcome(hf.apply_chat_template, copy.deepcopy(messages),
                             tools=sort_keys_deep(tools), tokenize=False,
-                            add_generation_prompt=agp, **kw)
+                            add_generation_prompt=agp, **kw,
+                            **_kimi_kwargs(TEMPLATES[template], tools))
             got = _outcome(ours.render, messages, tools, agp, **kw)
             assert got[0] == want[0], (name, agp, kw, want, got)
             if got[0] == "ok":
@@ -274,12 +284,22 @@ def test_render_template_is_transformers_render(hf_tokenizers: dict[str, Any]) -
         assert render_template(TEMPLATES[name], messages, tools, True, **NAMED_TOKENS) == want
 
 
+def _declared(text: str) -> str:
+    return text.split("tool_declare<|im_middle|>")[1].split("<|im_end|>")[0]
+
+
 def test_kimi_sorts_tool_keys(k25: Tokenizer) -> None:
-    text = k25.render_chat_template([Q], tools=[WEATHER])
-    declared = text.split("tool_declare<|im_middle|>")[1].split("<|im_end|>")[0]
-    assert declared == json.dumps([sort_keys_deep(WEATHER)], separators=(",", ":"),
+    # a schema the TypeScript encoder rejects (oneOf): K2.5's template declares JSON
+    odd = copy.deepcopy(WEATHER)
+    odd["function"]["parameters"]["properties"]["units"] = {"oneOf": [{"type": "string"}]}
+    declared = _declared(k25.render_chat_template([Q], tools=[odd]))
+    assert declared == json.dumps([sort_keys_deep(odd)], separators=(",", ":"),
                                   ensure_ascii=False)
     assert declared.index('"function"') < declared.index('"type"')
+    # templates that do not read tools_ts_str get the JSON as ever
+    thinking = ChatRenderer(k25, PUBLISHED["k2_thinking"], NAMED_TOKENS)
+    assert "tools_ts_str" not in PUBLISHED["k2_thinking"]
+    assert "namespace functions" not in thinking.render([Q], [WEATHER])
 
 
 # ---------------------------------------------------------------- ids
@@ -307,7 +327,8 @@ def test_ids_are_the_rendered_text(template: str, k25: Tokenizer) -> None:
                 select_template(TEMPLATES[template]),
                 mark_specials(messages, k25.special_pattern),
                 mark_specials(sort_keys_deep(tools), k25.special_pattern),
-                agp, **NAMED_TOKENS, **kw)
+                agp, **NAMED_TOKENS, **kw, **mark_specials(
+                    _kimi_kwargs(TEMPLATES[template], tools), k25.special_pattern))
             assert unmark(marked) == text, name
 
 
@@ -323,7 +344,8 @@ def test_user_typed_specials_stay_text(k25: Tokenizer) -> None:
         {"role": "tool", "tool_call_id": "functions.echo:0", "content": result},
     ]
     ids = k25.apply_chat_template(messages, tools=[SPECIAL_TOOL], thinking=False)
-    declared = json.dumps([sort_keys_deep(SPECIAL_TOOL)], separators=(",", ":"))
+    declared = ("# Tools\n\n## functions\nnamespace functions {\n"
+                "// echoes <|im_end|> and <think> back\ntype echo = (_: {}) => any;\n}\n")
     assert ids == [
         s("<|im_system|>"), *e("tool_declare"), s("<|im_middle|>"), *e(declared),
         s("<|im_end|>"),
@@ -382,6 +404,13 @@ def test_templates_that_cut_user_text(k25: Tokenizer) -> None:
 
 
 def test_bundled_template_is_todays_and_gives_todays_ids() -> None:
+    """legacy_ids.json. `bundled`: the ids engine/tokenizer.py gave at commit 8fb7056 (before the
+    jinja renderer) for the bundled model; they must never change. `no_template`: the ids of a
+    tokenizer without a template (the bundled ranks, Kimi's special block), regenerated when the
+    fallback took K2.5's format (no default system prompt, thinking on): the fallback's ids then,
+    which are also what K2.5's own template (kimi_k25.jinja) gives for that tokenizer, as checked
+    here. (The two cases with a tool result without tool_call_id have no `no_template`: there
+    K2.5 writes an empty "## Return of" header, the fallback none.)"""
     config = json.loads((BUNDLED / CONFIG_FILE).read_text())
     assert config["chat_template"] == CHAT_TEMPLATE
     bundled = Tokenizer.from_dir(BUNDLED)
@@ -389,7 +418,9 @@ def test_bundled_template_is_todays_and_gives_todays_ids() -> None:
     ranks = _parse_ranks(BUNDLED / MODEL_FILE)
     no_template = Tokenizer(ranks, _relative_specials(len(ranks)))
     assert no_template.chat_template is None
+    k25_for_it = ChatRenderer(no_template, PUBLISHED["k25"])
     cases = json.loads((FIXTURES / "legacy_ids.json").read_text())["cases"]
+    assert sum("no_template" in case for case in cases) == 10
     for case in cases:
         agp = case["add_generation_prompt"]
         assert bundled.apply_chat_template(case["messages"], agp) == case["bundled"]
@@ -397,30 +428,32 @@ def test_bundled_template_is_todays_and_gives_todays_ids() -> None:
             case["bundled"])
         if "no_template" in case:
             assert no_template.apply_chat_template(case["messages"], agp) == case["no_template"]
+            assert k25_for_it.encode(case["messages"], None, agp) == case["no_template"]
 
 
-# ---------------------------------------------------------------- fallback (documented format)
-
-SYS = f"<|im_system|>system<|im_middle|>{DEFAULT_SYSTEM_PROMPT}<|im_end|>"
+# ---------------------------------------------------------------- fallback (K2.5's format)
 
 
 def _fallback(messages: list[dict[str, Any]], tools: Any = None, agp: bool = True,
               **kw: Any) -> str:
+    """The fallback rendered alone: tools are declared as JSON unless `tools_ts_str` is given
+    (ChatRenderer gives it)."""
     return render_template(FALLBACK_CHAT_TEMPLATE, messages, tools, agp, **kw)
 
 
 def test_fallback_plain_turns() -> None:
+    # no default system prompt; thinking by default: the generation prompt opens <think>
     assert _fallback([{"role": "user", "content": "hi"}]) == (
-        SYS + "<|im_user|>user<|im_middle|>hi<|im_end|><|im_assistant|>assistant<|im_middle|>"
+        "<|im_user|>user<|im_middle|>hi<|im_end|><|im_assistant|>assistant<|im_middle|><think>"
     )
     assert _fallback([{"role": "system", "content": "S"}, {"role": "user", "content": "q"},
                       {"role": "assistant", "content": "a"}], agp=False) == (
         "<|im_system|>system<|im_middle|>S<|im_end|><|im_user|>user<|im_middle|>q<|im_end|>"
-        "<|im_assistant|>assistant<|im_middle|>a<|im_end|>"
+        "<|im_assistant|>assistant<|im_middle|><think></think>a<|im_end|>"
     )
 
 
-def test_fallback_tools_calls_and_results() -> None:
+def test_fallback_tools_calls_and_results(k25: Tokenizer) -> None:
     messages = [
         Q,
         {"role": "assistant", "content": "Let me look.", "tool_calls": [
@@ -431,20 +464,32 @@ def test_fallback_tools_calls_and_results() -> None:
         {"role": "tool", "tool_call_id": "functions.get_time:1", "content": "12:00"},
     ]
     tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {}}}]
-    assert _fallback(messages, tools) == (
-        '<|im_system|>tool_declare<|im_middle|>[{"type":"function","function":'
-        '{"name":"get_weather","parameters":{}}}]<|im_end|>'
-        + SYS
-        + "<|im_user|>user<|im_middle|>What's the weather in Paris?<|im_end|>"
-        "<|im_assistant|>assistant<|im_middle|>Let me look.<|tool_calls_section_begin|>"
+    rest = (
+        "<|im_user|>user<|im_middle|>What's the weather in Paris?<|im_end|>"
+        # the tool loop in progress: thinking keeps its (here empty) reasoning
+        "<|im_assistant|>assistant<|im_middle|><think></think>Let me look."
+        "<|tool_calls_section_begin|>"
         '<|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>{"city": "Paris"}'
         "<|tool_call_end|>"
+        # a call without an id gets one (K2.5 would write "None")
         '<|tool_call_begin|>functions.get_time:1<|tool_call_argument_begin|>{"tz": "CET"}'
         "<|tool_call_end|><|tool_calls_section_end|><|im_end|>"
         "<|im_system|>get_weather<|im_middle|>## Return of functions.get_weather:0\nsunny"
         "<|im_end|>"
         "<|im_system|>tool<|im_middle|>## Return of functions.get_time:1\n12:00<|im_end|>"
-        "<|im_assistant|>assistant<|im_middle|>"
+        "<|im_assistant|>assistant<|im_middle|><think>"
+    )
+    # without tools_ts_str the tools are declared as compact JSON (K2.5's own fallback)
+    assert _fallback(messages, tools) == (
+        '<|im_system|>tool_declare<|im_middle|>[{"type":"function","function":'
+        '{"name":"get_weather","parameters":{}}}]<|im_end|>' + rest
+    )
+    # through ChatRenderer (as served) they are declared TypeScript-style, as K2.5 does
+    typescript = ("# Tools\n\n## functions\nnamespace functions {\n"
+                  "type get_weather = (_: {}) => any;\n}\n")
+    assert tools_ts_str(sort_keys_deep(tools)) == typescript
+    assert ChatRenderer(k25, FALLBACK_CHAT_TEMPLATE).render(messages, tools) == (
+        f"<|im_system|>tool_declare<|im_middle|>{typescript}<|im_end|>" + rest
     )
 
 
@@ -469,13 +514,27 @@ def test_fallback_thinking_styles() -> None:
         "<|im_assistant|>assistant<|im_middle|>"
     )
     # thinking: earlier turns keep <think></think>, the tool loop in progress keeps reasoning
-    assert _fallback(messages, thinking=True) == head.format(
-        think1="<think></think>", think2="<think>r2</think>") + "<think>"
+    thinking = head.format(think1="<think></think>", think2="<think>r2</think>") + "<think>"
+    assert _fallback(messages, thinking=True) == thinking
+    # thinking is K2.5's default: no kwarg (or None) is thinking
+    assert _fallback(messages) == thinking
+    assert _fallback(messages, thinking=None) == thinking
     # instant
     assert _fallback(messages, thinking=False) == head.format(
         think1="<think></think>", think2="<think></think>") + "<think></think>"
-    # no thinking kwarg: K2-Instruct style, no think tags, reasoning dropped
-    assert _fallback(messages) == head.format(think1="", think2="")
+
+
+def test_fallback_renders_what_k25_renders(k25: Tokenizer) -> None:
+    """For text conversations with tool-call ids the fallback is K2.5's template, tools_ts_str
+    included: same text, same ids."""
+    fallback = ChatRenderer(k25, FALLBACK_CHAT_TEMPLATE, NAMED_TOKENS)
+    k25_own = ChatRenderer(k25, PUBLISHED["k25"], NAMED_TOKENS)
+    for name, (messages, tools) in CONVERSATIONS.items():
+        for agp, kw in VARIANTS:
+            assert fallback.render(messages, tools, agp, **kw) == (
+                k25_own.render(messages, tools, agp, **kw)), (name, agp, kw)
+            assert fallback.encode(messages, tools, agp, **kw) == (
+                k25_own.encode(messages, tools, agp, **kw)), (name, agp, kw)
 
 
 def test_fallback_ids_for_a_tokenizer_without_template(k25_dir: Path, tmp_path: Path) -> None:
@@ -486,11 +545,12 @@ def test_fallback_ids_for_a_tokenizer_without_template(k25_dir: Path, tmp_path: 
     tok = Tokenizer.from_dir(tmp_path)
     assert tok.chat_template is None
     s, e = tok.special_id, tok.encode
-    ids = tok.apply_chat_template([{"role": "user", "content": "hi"}], thinking=True)
-    assert ids == [s("<|im_system|>"), *e("system"), s("<|im_middle|>"),
-                   *e(DEFAULT_SYSTEM_PROMPT), s("<|im_end|>"), s("<|im_user|>"), *e("user"),
-                   s("<|im_middle|>"), *e("hi"), s("<|im_end|>"), s("<|im_assistant|>"),
-                   *e("assistant"), s("<|im_middle|>"), s("<think>")]
+    head = [s("<|im_user|>"), *e("user"), s("<|im_middle|>"), *e("hi"), s("<|im_end|>"),
+            s("<|im_assistant|>"), *e("assistant"), s("<|im_middle|>")]
+    hi = [{"role": "user", "content": "hi"}]
+    assert tok.apply_chat_template(hi) == head + [s("<think>")]
+    assert tok.apply_chat_template(hi, thinking=True) == head + [s("<think>")]
+    assert tok.apply_chat_template(hi, thinking=False) == head + [s("<think>"), s("</think>")]
 
 
 # ---------------------------------------------------------------- loading
@@ -571,3 +631,190 @@ def test_assistant_tool_calls_without_content_are_valid(k25: Tokenizer) -> None:
     call = {"role": "assistant", "tool_calls": [_call(0, "f", "{}")]}
     text = k25.render_chat_template([Q, call], thinking=False)
     assert "<|tool_call_begin|>functions.f:0<|tool_call_argument_begin|>{}" in text
+
+
+# ---------------------------------------------------------------- K2.5's tool declaration
+
+TS_HEAD = "# Tools\n\n## functions\nnamespace functions {\n"
+
+
+def _ts(*functions: str) -> str:
+    return TS_HEAD + "\n".join(functions) + "\n}\n"
+
+
+def _one(name: str, parameters: Any = None, **fields: Any) -> list[dict[str, Any]]:
+    function = {"name": name, **fields}
+    if parameters is not None:
+        function["parameters"] = parameters
+    return [{"type": "function", "function": function}]
+
+
+def test_tool_declarations_match_kimis_encoder() -> None:
+    """Golden outputs of Kimi-K2.5's own `tool_declaration_ts.py` (fixture's `source`)."""
+    fixture = json.loads((FIXTURES / "kimi_k25_tool_declarations.json").read_text())
+    assert len(fixture["cases"]) == 13
+    for case in fixture["cases"]:
+        assert encode_tools(case["tools"]) == case["expected"], case["name"]
+
+
+def _obj(properties: dict[str, Any], required: list[str] | None = None,
+         **extra: Any) -> dict[str, Any]:
+    out: dict[str, Any] = {"type": "object", "properties": properties, **extra}
+    if required is not None:
+        out["required"] = required
+    return out
+
+
+# (name, tools, expected declaration, or None where the encoder rejects the schema). The first
+# eight are published cases of Rust ports of the encoder (lightseekorg/smg
+# crates/tokenizer/tests/kimi_k25.rs and a later stored version of it: nested object, enum,
+# $defs order, unresolvable $ref, unrecognized schema; and the unit tests of another port:
+# complex schema, oneOf, null default); the rest follow the reference encoder's rules as its
+# code states them (engine/tool_declaration.py), and were checked against it.
+DECLARATIONS: list[tuple[str, list[dict[str, Any]], str | None]] = [
+    ("enum_and_description", _one("weather", _obj(
+        {"units": {"type": "string", "enum": ["c", "f"]},
+         "city": {"type": "string", "description": "City name"}}, ["city"]),
+        description="Read weather"),
+     _ts('// Read weather\ntype weather = (_: {\n  // City name\n  city: string,\n'
+         '  units?: "c" | "f"\n}) => any;')),
+    ("nested_object_with_required", _one("create_user", _obj({"user": _obj(
+        {"name": {"type": "string"}, "age": {"type": "integer"}}, ["name"])}, ["user"]),
+        description="Create a new user record."),
+     _ts("// Create a new user record.\ntype create_user = (_: {\n  user: {\n    name: string,\n"
+         "    age?: number\n  }\n}) => any;")),
+    ("enum_as_union", _one("set_status", _obj(
+        {"status": {"enum": ["active", "paused", "done"]}}, ["status"])),
+     _ts('type set_status = (_: {\n  status: "active" | "paused" | "done"\n}) => any;')),
+    ("defs_in_insertion_order", _one("zoo", {
+        "type": "object",
+        "$defs": {"Zebra": _obj({"stripes": {"type": "integer"}}, ["stripes"]),
+                  "Apple": _obj({"color": {"type": "string"}}, ["color"])},
+        "properties": {"z": {"$ref": "#/$defs/Zebra"}, "a": {"$ref": "#/$defs/Apple"}},
+        "required": ["z", "a"]}),
+     _ts("interface Zebra {\n  stripes: number\n}\ninterface Apple {\n  color: string\n}\n"
+         "type zoo = (_: {\n  a: Apple,\n  z: Zebra\n}) => any;")),
+    ("unresolvable_ref", _one("broken", _obj({"x": {"$ref": "#/$defs/Missing"}}, ["x"])), None),
+    ("unrecognized_schema", _one("weird", _obj({"x": {"title": "no keyword"}}, ["x"])), None),
+    ("one_of_is_unsupported", _one("broken", _obj({"value": {"oneOf": [{"type": "string"}]}})),
+     None),
+    ("null_default_is_omitted", _one("optional_value", _obj(
+        {"value": {"type": ["string", "null"], "default": None}})),
+     _ts("type optional_value = (_: {\n  value?: string | null\n}) => any;")),
+    ("constraints_and_defaults", _one("search", _obj({
+        "q": {"type": "string", "minLength": 1, "maxLength": 50, "pattern": "^[a-z]+$",
+              "description": "Query"},
+        "limit": {"type": "integer", "minimum": 1, "maximum": 10, "default": 5},
+        "exact": {"type": "boolean", "default": True},
+        "lang": {"type": "string", "default": "français"},
+        "ratio": {"type": "number", "default": 0.5}}, ["q"])),
+     _ts("type search = (_: {\n  // Query\n  // maxLength: 50, minLength: 1, pattern: ^[a-z]+$\n"
+         "  q: string,\n  // Default: True\n  exact?: boolean,\n  // Default: \"français\"\n"
+         "  lang?: string,\n  // maximum: 10, minimum: 1\n  // Default: 5\n  limit?: number,\n"
+         "  // Default: 0.5\n  ratio?: number\n}) => any;")),
+    ("multiline_descriptions", _one("f", _obj(
+        {"a": {"type": "string", "description": "line one\n\nline three"}}, ["a"]),
+        description="Does f.\n\nReally."),
+     _ts("// Does f.\n\n// Really.\ntype f = (_: {\n  // line one\n\n  // line three\n"
+         "  a: string\n}) => any;")),
+    ("arrays", _one("g", _obj({
+        "plain": {"type": "array", "items": {"type": "string"}},
+        "described": {"type": "array", "minItems": 1,
+                      "items": {"type": "string", "description": "a name", "maxLength": 9}},
+        "objects": {"type": "array", "items": _obj({"k": {"type": "string"}}, ["k"])},
+        "untyped": {"type": "array"}}, ["plain", "described", "objects", "untyped"])),
+     _ts("type g = (_: {\n  // minItems: 1\n  described: Array<\n    // a name\n"
+         "    // maxLength: 9\n    string\n  >,\n  objects: Array<{\n    k: string\n  }>,\n"
+         "  plain: Array<string>,\n  untyped: Array<any>\n}) => any;")),
+    ("additional_properties", _one("h", _obj({
+        "any": _obj({}, additionalProperties=True),
+        "none": _obj({"x": {"type": "string"}}, ["x"], additionalProperties=False),
+        "nums": {"type": "object", "additionalProperties": {"type": "integer"}}},
+        ["any", "none", "nums"])),
+     _ts("type h = (_: {\n  any: {\n    [k: string]: any\n  },\n  none: {\n    x: string,\n"
+         "    [k: string]: never\n  },\n  nums: {\n    [k: string]: number\n  }\n}) => any;")),
+    ("enum_values_and_bool_schemas", _one("e", _obj({
+        "mixed": {"enum": ["a", 1, 2.5, True, None]},
+        "yes": True, "no": False, "anything": {}}, ["mixed", "yes", "no", "anything"])),
+     _ts('type e = (_: {\n  anything: any,\n  mixed: "a" | 1 | 2.5 | True | None,\n  no: null,\n'
+         '  yes: any\n}) => any;')),
+    ("enum_type_mismatch", _one("e", _obj({"x": {"type": "string", "enum": ["a", 1]}})), None),
+    ("self_reference", _one("tree", _obj(
+        {"value": {"type": "string"}, "children": {"type": "array", "items": {"$ref": "#"}}},
+        ["value"])),
+     _ts("interface parameters {\n  value: string,\n  children?: Array<parameters>\n}\n"
+         "type tree = (_: parameters) => any;")),
+    ("described_def_and_anyof_with_ref", _one("link", {
+        "type": "object",
+        "$defs": {"Url": {"type": "string", "description": "An address."}},
+        "properties": {"to": {"anyOf": [{"$ref": "#/$defs/Url"}, {"type": "null"}],
+                              "description": "Target"}},
+        "required": ["to"]}),
+     _ts("// An address.\ninterface Url string\ntype link = (_: {\n  // Target\n"
+         "  to: Url | null\n}) => any;")),
+    ("no_parameters_and_other_tool_types", [
+        {"type": "function", "function": {"name": "ping"}},
+        {"type": "_plugin", "function": {"name": "skipped"}},
+        {"type": "function", "function": {}}],
+     _ts("type ping = (_: {}) => any;")),
+    ("only_other_tool_types", [{"type": "_plugin", "function": {"name": "p"}}], ""),
+]
+
+
+@pytest.mark.parametrize(("tools", "want"), [d[1:] for d in DECLARATIONS],
+                         ids=[d[0] for d in DECLARATIONS])
+def test_tool_declaration_rules(tools: list[dict[str, Any]], want: str | None) -> None:
+    if want is None:
+        with pytest.raises(ToolDeclarationError):
+            encode_tools(tools)
+        assert tools_ts_str(tools) is None
+    else:
+        assert encode_tools(tools) == want
+
+
+K25_GEN = "<|im_assistant|>assistant<|im_middle|>"
+
+
+def test_k25_prompts_declare_tools_as_kimis_tokenizer_does(k25: Tokenizer) -> None:
+    calc = _one("calc", _obj({"expr": {"type": "string"}}, ["expr"]),
+                description="Compute an expression.")
+    ask = [{"role": "user", "content": "what's 2+2?"}]
+    assert k25.render_chat_template(ask, tools=calc) == (
+        "<|im_system|>tool_declare<|im_middle|>" + _ts(
+            "// Compute an expression.\ntype calc = (_: {\n  expr: string\n}) => any;")
+        + "<|im_end|><|im_user|>user<|im_middle|>what's 2+2?<|im_end|>" + K25_GEN + "<think>")
+    # no tools, no declaration (smg's renders_without_tools_block_when_tools_empty)
+    for tools in (None, []):
+        text = k25.render_chat_template(ask, tools=tools)
+        assert "# Tools" not in text and "tool_declare" not in text
+    # a tool loop: keys sorted (required first, by name), the call and its result
+    messages = [
+        Q,
+        {"role": "assistant", "content": "", "reasoning_content": "need weather",
+         "tool_calls": [_call(0, "get_weather", '{"city": "Paris"}')]},
+        _tool(0, "get_weather", "sunny"),
+    ]
+    tools = [WEATHER, {"type": "function", "function": {"name": "get_time", "parameters": {
+        "type": "object", "properties": {"tz": {"type": "string", "default": "UTC"}}}}}]
+    assert k25.render_chat_template(messages, tools=tools) == (
+        "<|im_system|>tool_declare<|im_middle|>" + _ts(
+            '// Weather for a city. Café ☀ "quoted"\ntype get_weather = (_: {\n  // City name\n'
+            "  city: string\n}) => any;",
+            'type get_time = (_: {\n  // Default: "UTC"\n  tz?: string\n}) => any;')
+        + "<|im_end|><|im_user|>user<|im_middle|>What's the weather in Paris?<|im_end|>"
+        "<|im_assistant|>assistant<|im_middle|><think>need weather</think>"
+        "<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0"
+        '<|tool_call_argument_begin|>{"city": "Paris"}<|tool_call_end|>'
+        "<|tool_calls_section_end|><|im_end|>"
+        "<|im_system|>get_weather<|im_middle|>## Return of functions.get_weather:0\nsunny"
+        "<|im_end|>" + K25_GEN + "<think>")
+    # the caller's own tools_ts_str is replaced, as Kimi's tokenizer does
+    assert k25.render_chat_template(ask, tools=calc, tools_ts_str="x") == \
+        k25.render_chat_template(ask, tools=calc)
+    # ids: the declaration is ordinary text between the template's special tokens
+    s, e = k25.special_id, k25.encode
+    declared = _ts("// Compute an expression.\ntype calc = (_: {\n  expr: string\n}) => any;")
+    assert k25.apply_chat_template(ask, tools=calc)[:4] == [
+        s("<|im_system|>"), *e("tool_declare"), s("<|im_middle|>"), *e(declared)][:4]
+    assert e(declared) == k25.apply_chat_template(ask, tools=calc)[
+        2 + len(e("tool_declare")):2 + len(e("tool_declare")) + len(e(declared))]

@@ -7,15 +7,14 @@ scheduler is the real one, driving a runner that emits the token ids of a chosen
 the official `openai` client (or raw httpx) asks. The tokenizer is the tiny model's, with its
 config naming Kimi's tool-call and thinking markers at their places in the special block, as
 K2-Thinking's tokenizer_config.json does, so the markers arrive as special ids, as in real
-output. Its config has no chat template: the engine's fallback renders tools and thinking."""
+output. Its config has no chat template: the engine's fallback renders tools and thinking. Like
+K2.5's template it thinks unless `thinking` is false (the prompt ends in `<think>`, so the answer
+is read as reasoning first): tests of answers without reasoning ask for instant mode (INSTANT)."""
 
 from __future__ import annotations
 
 import itertools
 import json
-import socket
-import threading
-import time
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -45,7 +44,8 @@ from engine.toolcalls import (  # noqa: E402
     THINK_BEGIN,
     THINK_END,
 )
-from engine.tools.make_tiny import NUM_SPECIAL, tiny_mergeable_ranks  # noqa: E402
+from tests.test_serve import serving  # noqa: E402
+from tools.make_tiny import NUM_SPECIAL, tiny_mergeable_ranks  # noqa: E402
 
 ORDINARY = 768
 # Offsets in the special block of the markers Kimi's configs name (K2: 163595..163599 for the
@@ -61,6 +61,9 @@ TOOLS = [
     {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}},
 ]
 ASK = [{"role": "user", "content": "Weather in Paris, and the time?"}]
+# A request without thinking: K2.5's instant mode (the prompt ends in <think></think>).
+INSTANT_KWARGS = {"thinking": False}
+INSTANT = {"extra_body": {"chat_template_kwargs": INSTANT_KWARGS}}
 WEATHER = '{"city": "Paris"}'
 
 
@@ -164,27 +167,11 @@ def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
     return tok
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def served(tokenizer: Tokenizer) -> Iterator[tuple[ScriptedLLM, str]]:
     llm = ScriptedLLM(tokenizer)
-    port = _free_port()
-    server = uvicorn.Server(uvicorn.Config(build_app(llm, "scripted"),  # type: ignore[arg-type]
-                                           host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
-        time.sleep(0.02)
-    yield llm, f"http://127.0.0.1:{port}"
-    server.should_exit = True
-    thread.join(15)
+    with serving(build_app(llm, "scripted"), timeout=30) as url:  # type: ignore[arg-type]
+        yield llm, url
 
 
 @pytest.fixture
@@ -237,7 +224,7 @@ def _merged_calls(deltas: list[Any]) -> list[dict[str, Any]]:
 
 def test_tool_calls_non_streamed(llm: ScriptedLLM, client: openai.OpenAI) -> None:
     llm.say(TWO_CALLS)
-    r = client.chat.completions.create(model="scripted", messages=ASK, tools=TOOLS)
+    r = client.chat.completions.create(model="scripted", messages=ASK, tools=TOOLS, **INSTANT)
     ch = r.choices[0]
     assert ch.finish_reason == "tool_calls"
     assert ch.message.content == "Let me check."
@@ -247,14 +234,18 @@ def test_tool_calls_non_streamed(llm: ScriptedLLM, client: openai.OpenAI) -> Non
         ("functions.get_time:1", "function", "get_time", "{}")]
     assert json.loads(ch.message.tool_calls[0].function.arguments) == {"city": "Paris"}
     assert getattr(ch.message, "reasoning_content", None) is None
-    # the tools reached the prompt: the fallback template declares them in a first turn
-    assert r.usage.prompt_tokens == len(llm.tokenizer.apply_chat_template(ASK, tools=TOOLS))
-    assert "tool_declare" in llm.tokenizer.render_chat_template(ASK, tools=TOOLS)
+    # the tools reached the prompt: the fallback template declares them in a first turn,
+    # TypeScript-style as K2.5 does
+    assert r.usage.prompt_tokens == len(llm.tokenizer.apply_chat_template(
+        ASK, tools=TOOLS, **INSTANT_KWARGS))
+    prompt = llm.tokenizer.render_chat_template(ASK, tools=TOOLS, **INSTANT_KWARGS)
+    assert prompt.startswith("<|im_system|>tool_declare<|im_middle|># Tools")
+    assert "namespace functions {" in prompt and "type get_time = " in prompt
 
 
 def test_tool_calls_streamed(llm: ScriptedLLM, client: openai.OpenAI) -> None:
     llm.say(TWO_CALLS)
-    deltas, reason = _stream(client, messages=ASK, tools=TOOLS, tool_choice="auto")
+    deltas, reason = _stream(client, messages=ASK, tools=TOOLS, tool_choice="auto", **INSTANT)
     assert reason == "tool_calls"
     assert deltas[0].role == "assistant"
     assert _joined(deltas, "content") == "Let me check."
@@ -311,28 +302,38 @@ def test_tool_choice_none_leaves_the_answer_as_text(llm: ScriptedLLM,
                                                     client: openai.OpenAI) -> None:
     ids = llm.say(TWO_CALLS)
     r = client.chat.completions.create(model="scripted", messages=ASK, tools=TOOLS,
-                                       tool_choice="none")
+                                       tool_choice="none", **INSTANT)
     assert r.choices[0].finish_reason == "stop"
     assert r.choices[0].message.tool_calls is None
     assert r.choices[0].message.content == llm.tokenizer.decode(ids, skip_special_tokens=True)
 
 
-@pytest.mark.parametrize("text", [
-    f"Hmm.{SECTION_BEGIN}{CALL_BEGIN}get weather now{ARGUMENT_BEGIN}{{}}{CALL_END}{SECTION_END}",
-    f"{SECTION_BEGIN}{SECTION_END}after",
-    f"x{CALL_BEGIN}functions.get_time:0{ARGUMENT_BEGIN}{{}}{CALL_END}",  # no section
-    f"{SECTION_BEGIN}{CALL_BEGIN}functions.get_time:0",  # ends inside the id
+@pytest.mark.parametrize(("text", "content", "calls", "reason"), [
+    (f"Hmm.{SECTION_BEGIN}{CALL_BEGIN}get weather now{ARGUMENT_BEGIN}{{}}{CALL_END}{SECTION_END}",
+     "Hmm.", [], "stop"),
+    (f"{SECTION_BEGIN}{SECTION_END}after", "after", [], "stop"),
+    # K2.5 may open a call without the section
+    (f"x{CALL_BEGIN}functions.get_time:0{ARGUMENT_BEGIN}{{}}{CALL_END}", "x",
+     [{"id": "functions.get_time:0", "name": "get_time", "arguments": "{}"}], "tool_calls"),
+    (f"{SECTION_BEGIN}{CALL_BEGIN}functions.get_time:0", "", [], "stop"),  # ends inside the id
 ], ids=["bad id", "empty section", "no section", "cut id"])
-def test_malformed_sections_come_back_as_content(llm: ScriptedLLM, client: openai.OpenAI,
-                                                 text: str) -> None:
+def test_malformed_calls_are_dropped_and_no_marker_reaches_content(
+        llm: ScriptedLLM, client: openai.OpenAI, text: str, content: str,
+        calls: list[dict[str, str]], reason: str) -> None:
+    """A malformed call is dropped (its well-formed neighbours are kept) and the tool-call
+    markers never reach the content, streamed or not."""
     llm.say(text)
-    r = client.chat.completions.create(model="scripted", messages=ASK, tools=TOOLS)
-    assert r.choices[0].finish_reason == "stop"
-    assert r.choices[0].message.tool_calls is None
-    assert r.choices[0].message.content == text
+    r = client.chat.completions.create(model="scripted", messages=ASK, tools=TOOLS, **INSTANT)
+    m = r.choices[0].message
+    assert r.choices[0].finish_reason == reason
+    assert m.content == content
+    assert [{"id": c.id, "name": c.function.name, "arguments": c.function.arguments}
+            for c in m.tool_calls or []] == calls
+    assert (m.tool_calls is None) == (not calls)
     llm.say(text)
-    deltas, reason = _stream(client, messages=ASK, tools=TOOLS)
-    assert (_joined(deltas, "content"), _merged_calls(deltas), reason) == (text, [], "stop")
+    deltas, stream_reason = _stream(client, messages=ASK, tools=TOOLS, **INSTANT)
+    assert (_joined(deltas, "content"), _merged_calls(deltas), stream_reason) == (
+        content, calls, reason)
 
 
 def test_a_call_cut_by_max_tokens(llm: ScriptedLLM, client: openai.OpenAI) -> None:
@@ -351,6 +352,8 @@ def test_a_call_cut_by_max_tokens(llm: ScriptedLLM, client: openai.OpenAI) -> No
 
 def test_reasoning_content(llm: ScriptedLLM, client: openai.OpenAI) -> None:
     thinking = {"extra_body": {"chat_template_kwargs": {"thinking": True}}}
+    # thinking asked for, then by default (the fallback thinks unless told not to, like K2.5):
+    # the prompt opens <think>, and a <think> the model writes again is dropped
     for text, kw in [(f"Paris is in France.{THINK_END}It is sunny.", thinking),
                      (f"{THINK_BEGIN}Paris is in France.{THINK_END}It is sunny.", {})]:
         llm.say(text)
@@ -397,7 +400,8 @@ def test_plain_answers_have_no_new_fields(llm: ScriptedLLM, url: str) -> None:
     """Without tools or reasoning markers an answer is the text without special ids, in the
     same body as ever: no `reasoning_content`, no `tool_calls` keys, streamed or not."""
     text = f"Hello <|tool_call_begin|> there.{SECTION_BEGIN}<|reserved_token_{ORDINARY + 40}|>"
-    for body in ({"messages": ASK}, {"messages": ASK, "tools": TOOLS}):
+    for body in ({"messages": ASK, "chat_template_kwargs": INSTANT_KWARGS},
+                 {"messages": ASK, "tools": TOOLS, "chat_template_kwargs": INSTANT_KWARGS}):
         ids = llm.say(text if "tools" not in body else "Just text.")
         r = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=30).json()
         assert r["choices"][0]["message"] == {
@@ -415,10 +419,12 @@ def test_plain_answers_have_no_new_fields(llm: ScriptedLLM, url: str) -> None:
 
 
 def test_a_tool_conversation_renders(llm: ScriptedLLM, client: openai.OpenAI) -> None:
-    """The second turn of a tool call: the assistant's calls (as the client got them) and the
-    tool's result go back to the template."""
-    llm.say(TWO_CALLS)
+    """The second turn of a tool call, thinking (the default): the assistant's calls (as the
+    client got them), its reasoning and the tool's result go back to the template."""
+    llm.say(f"Weather first.{THINK_END}{TWO_CALLS}")
     first = client.chat.completions.create(model="scripted", messages=ASK, tools=TOOLS)
+    assert (first.choices[0].message.reasoning_content,
+            first.choices[0].message.content) == ("Weather first.", "Let me check.")
     calls = [c.model_dump() for c in first.choices[0].message.tool_calls]
     history: list[dict[str, Any]] = [
         *ASK,
@@ -427,16 +433,20 @@ def test_a_tool_conversation_renders(llm: ScriptedLLM, client: openai.OpenAI) ->
         {"role": "tool", "tool_call_id": calls[0]["id"], "content": "22 C"},
         {"role": "tool", "tool_call_id": calls[1]["id"], "content": "noon"},
     ]
-    llm.say("It is 22 C at noon.")
+    llm.say(f"Both known.{THINK_END}It is 22 C at noon.")
     r = client.chat.completions.create(model="scripted", messages=history, tools=TOOLS)
     assert r.choices[0].message.content == "It is 22 C at noon."
+    assert r.choices[0].message.reasoning_content == "Both known."
     want = llm.tokenizer.apply_chat_template(history, tools=TOOLS)
     assert r.usage.prompt_tokens == len(want)
     prompt = llm.tokenizer.render_chat_template(history, tools=TOOLS)
+    # the tool loop in progress keeps its reasoning; the answer opens <think>
+    assert f"{THINK_BEGIN}weather first{THINK_END}Let me check.{SECTION_BEGIN}" in prompt
     assert "## Return of functions.get_weather:0\n22 C" in prompt
     assert _call("get_time", 1, "{}") in prompt
+    assert prompt.endswith(THINK_BEGIN)
     # the message object itself, as clients append it
-    llm.say("ok")
+    llm.say(f"{THINK_END}ok")
     r = client.chat.completions.create(
         model="scripted", tools=TOOLS,
         messages=[*ASK, first.choices[0].message, *history[2:]])  # type: ignore[list-item]
