@@ -1,27 +1,26 @@
-"""Small helpers shared by the benchmarks: timing, and JSON + PNG output."""
+"""Small helpers shared by the benchmarks: timing, JSON + PNG output, and the Markdown report."""
 
 from __future__ import annotations
 
 import json
 import os
 import platform
+import shlex
+import shutil
 import statistics
+import subprocess
+import sys
 import time
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Generator, Iterable
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 import torch
 
 DEFAULT_OUT = Path("runs/bench")
-
-
-def round_order(items: list[Any], i: int) -> list[Any]:
-    """Round `i`'s order of interleaved runs: rotated by one each round, so every run takes
-    every place in turn and none always follows the same one (or itself, from the round
-    before: the run that goes first finds its own weights still in the CPU's caches)."""
-    k = i % len(items) if items else 0
-    return items[k:] + items[:k]
+# `--report` writes here, one file per kind of run, each overwritten by the next of its kind.
+REPORTS = Path(__file__).resolve().parent / "reports"
 
 
 def interleave(passes: list[Generator[int, None, Any]], grain: int) -> list[Any]:
@@ -161,6 +160,63 @@ def write_results(
     return paths
 
 
+def _commit(repo: Path) -> str:
+    """`git rev-parse --short HEAD`, with `+dirty` when tracked files outside the reports differ
+    from it ("unknown" outside a git checkout)."""
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=repo, capture_output=True, text=True,
+                              check=True).stdout.strip()
+    try:
+        head = git("rev-parse", "--short", "HEAD")
+        # NOTE: the reports themselves are left out, or each report would make the next dirty
+        dirty = git("status", "--porcelain", "--untracked-files=no", "--", ".",
+                    ":(exclude)bench/reports")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return head + ("+dirty" if dirty else "")
+
+
+def write_report(kind: str, prog: str, results: str | list[str], *,
+                 argv: list[str] | None = None, files: Iterable[Path] = (), device: str = "cpu",
+                 reports: str | Path = REPORTS) -> Path:
+    """Write `<reports>/<kind>.md`: the command line (`python -m <prog>` and `argv`, by default
+    this process's arguments), the commit, the machine, the date (UTC) and `results`, the text
+    the benchmark printed, verbatim. `files` (its JSON and PNG) are copied beside the report as
+    `<kind>.json` / `<kind>.png` and linked: the benchmarks write them under `runs/`, which git
+    ignores. Returns the report's path."""
+    out = Path(reports)
+    out.mkdir(parents=True, exist_ok=True)
+    args = sys.argv[1:] if argv is None else argv
+    cmd = shlex.join(["python", "-m", prog, *args])
+    env = environment(device)
+    machine = (f"{env['cpu']}, {env['cpus']} cores, torch {env['torch']} "
+               f"({env['threads']} thread{'s' * (env['threads'] != 1)}), Python {env['python']}")
+    machine += f", GPU {env['gpu']}" if "gpu" in env else ", no GPU"
+    if hasattr(os, "getloadavg"):  # a shared machine's other work moves every absolute number
+        machine += f"; load average {os.getloadavg()[0]:.1f} when written"
+    date = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    text = results if isinstance(results, str) else "\n".join(results)
+    lines = [f"# {prog}", "", "Written by the command below (`--report`); the next run of this "
+             "kind overwrites it.", "",
+             f"- Command: `{cmd}`", f"- Commit: `{_commit(Path(__file__).resolve().parents[1])}`",
+             f"- Machine: {machine}", f"- Date: {date}", "", "## Results", "", "```",
+             text.rstrip("\n"), "```"]
+    copies = []
+    for f in map(Path, files):
+        if f.is_file():
+            dest = out / f"{kind}{f.suffix}"
+            if f.resolve() != dest.resolve():
+                shutil.copyfile(f, dest)
+            copies.append(dest)
+    if copies:
+        lines += ["", "Output: " + ", ".join(f"[{c.name}]({c.name})" for c in copies)]
+        lines += [f"![{kind}]({c.name})" for c in copies if c.suffix == ".png"]
+    path = out / f"{kind}.md"
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    print(f"wrote {path}")
+    return path
+
+
 def table(rows: list[dict[str, Any]], columns: list[tuple[str, str, str]]) -> str:
     """A fixed-width text table; columns are (key, header, format spec); None prints "-"."""
     cells = [[header for _, header, _ in columns]]
@@ -181,7 +237,7 @@ def bench_prompts(llm: Any, model: Path, n: int, seed: int) -> tuple[list[list[i
     from engine.llm import DEFAULT_MODEL
 
     if llm.tokenizer is not None and model.resolve() == DEFAULT_MODEL.resolve():
-        from engine.tools.corpus import held_out_prompts
+        from engine.held_out import held_out_prompts
 
         return [llm.encode_prompt(t) for t in held_out_prompts(n, seed)], "held-out corpus files"
     g, vocab = random.Random(seed), llm.models.target.cfg.vocab_size

@@ -10,7 +10,7 @@ length. With no flags this is the README's default job. Reports both modes' medi
 of medians with its 90% bootstrap interval over the pairs (`ratio_interval`), the range and
 median of the pairs' own ratios, and how many runs wrote every line's tokens as the first AR
 run did. Writes JSON and a PNG under `runs/bench/` (`--out`, `--name`) and each run's output
-beside them.
+beside them; `--report` also writes `bench/reports/<name>.md` (`bench.common.write_report`).
 """
 
 from __future__ import annotations
@@ -21,14 +21,16 @@ import re
 import statistics
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 from typing import Any
 
 import torch
 from tqdm import tqdm
 
-from bench.common import environment, paired_ratios, ratio_interval, round_order, write_results
+from bench.common import environment, paired_ratios, ratio_interval, write_report, write_results
 from engine.llm import REPO
+from graphs.measure import round_order
 
 # What `engine.generate` prints when a job ends (its `_generate`).
 SUMMARY = re.compile(r"([\d.]+) tokens/s, mean accepted length ([\d.]+) per step over (\d+) steps")
@@ -78,6 +80,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--prompts", type=Path, default=REPO / "examples" / "prompts.jsonl")
     ap.add_argument("--out", default="runs/bench")
     ap.add_argument("--name", default="job", help="the JSON and PNG's name under --out")
+    ap.add_argument("--report", action="store_true",
+                    help="also write bench/reports/<--name>.md (command, commit, machine, date)")
     a, flags = ap.parse_known_args(argv)
     if a.pairs < 1:
         ap.error(f"--pairs must be at least 1, got {a.pairs}")
@@ -101,13 +105,14 @@ def main(argv: list[str] | None = None) -> None:
     lo, hi = s["ratio_90"]
     plo, phi = min(s["pair_ratios"]), max(s["pair_ratios"])
     env = environment("cuda" if torch.cuda.is_available() else "cpu")
-    print(f"default {med['default']:.1f} tokens/s against ar {med['ar']:.1f} (medians of "
-          f"{a.pairs}): {s['ratio']:.2f}x (90% bootstrap interval {lo:.2f}-{hi:.2f}, pairs "
-          f"{plo:.2f}-{phi:.2f}, their median {s['pair_median']:.2f}); "
-          f"{s['mean_accept_len']:.2f} tokens a request's step over "
-          f"{s['steps']['default']:g} request steps against {s['steps']['ar']:g}; "
-          f"{s['same_as_ar']} of {s['runs']} runs wrote the first AR run's tokens; "
-          f"{env['cpu']}, {env['cpus']} CPUs, {env['threads']} torch threads")
+    result = (f"default {med['default']:.1f} tokens/s against ar {med['ar']:.1f} (medians of "
+              f"{a.pairs}): {s['ratio']:.2f}x (90% bootstrap interval {lo:.2f}-{hi:.2f}, pairs "
+              f"{plo:.2f}-{phi:.2f}, their median {s['pair_median']:.2f}); "
+              f"{s['mean_accept_len']:.2f} tokens a request's step over "
+              f"{s['steps']['default']:g} request steps against {s['steps']['ar']:g}; "
+              f"{s['same_as_ar']} of {s['runs']} runs wrote the first AR run's tokens; "
+              f"{env['cpu']}, {env['cpus']} CPUs, {env['threads']} torch threads")
+    print(result)
 
     def plot(fig: Any) -> None:
         ax1, ax2 = fig.subplots(1, 2)
@@ -123,9 +128,12 @@ def main(argv: list[str] | None = None) -> None:
         ax2.set(xlabel="pair", ylabel="default / ar", title="ratio")
         ax2.legend()
 
-    write_results(a.name, {"prompts": str(prompts), "flags": flags, "pairs": a.pairs,
-                           "environment": env, "summary": s, "runs": runs},
-                  plot, a.out)
+    paths = write_results(a.name, {"prompts": str(prompts), "flags": flags, "pairs": a.pairs,
+                                   "environment": env, "summary": s, "runs": runs},
+                          plot, a.out)
+    if a.report:
+        write_report(a.name, "bench.job", textwrap.fill(result, 100), argv=argv, files=paths,
+                     device=env["device"])
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ rounds, and each cell also reports the median of its rounds' own default/ar rati
 `cell_row`), as does the server at one client against the offline engine. `--server-args
 "--mode ar"` runs AR against AR: what a cell reads from noise alone. Writes JSON and a PNG under
 `runs/bench/` (`--out`), and each server's log beside them (`serve-default.log`,
-`serve-ar.log`).
+`serve-ar.log`); `--report` also writes `bench/reports/serve.md` (`bench.common.write_report`).
 """
 
 from __future__ import annotations
@@ -44,12 +44,13 @@ from bench.common import (
     bench_prompts,
     environment,
     paired_ratios,
-    round_order,
     table,
+    write_report,
     write_results,
 )
 from engine.config import EngineConfig, SamplingParams, add_cli_args, error_text, from_cli
 from engine.llm import LLM, REPO, compile_auto, model_pair
+from graphs.measure import round_order
 
 
 class Server:
@@ -195,6 +196,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--startup-timeout", type=float, default=1800.0,
                     help="seconds a server may take to load and compile its steps")
     ap.add_argument("--out", default="runs/bench")
+    ap.add_argument("--report", action="store_true",
+                    help="also write bench/reports/serve.md (command, commit, machine, date, the "
+                         "table)")
     a = ap.parse_args(argv)
     for flag in ("requests", "max_tokens", "prompt_len", "rounds"):
         if getattr(a, flag) < 1:
@@ -218,23 +222,31 @@ def main(argv: list[str] | None = None) -> None:
     servers = [Server("default", common, logs / "serve-default.log"),
                Server("ar", [*common, "--mode", "ar"], logs / "serve-ar.log")]
     try:
-        _bench(a, config, servers)
+        _bench(a, config, servers, argv)
     finally:
         for s in servers:
             s.stop()
 
 
-def _bench(a: argparse.Namespace, config: EngineConfig, servers: list[Server]) -> None:
-    # loads while the servers start; compiled when the default server is (`--compile auto`)
-    llm = LLM(config=compile_auto(config, True), progress=False)
+def _bench(a: argparse.Namespace, config: EngineConfig, servers: list[Server],
+           argv: list[str] | None = None) -> None:
+    printed: list[str] = []  # what `--report` holds
+
+    def show(text: str, **kw: Any) -> None:
+        print(text, **kw)
+        printed.append(text)
+
+    # loads while the servers start; compiled only where the server is (`--compile auto` leaves
+    # a server eager, as `engine.serve` settles it)
+    llm = LLM(config=compile_auto(config, False), progress=False)
     prompts, source = bench_prompts(llm, model_pair(config.model, config.draft)[0], a.requests,
                                     a.seed)
     prompts = [p[:a.prompt_len] for p in prompts]
     for s in servers:
         s.wait_healthy(a.startup_timeout)
-    print(f"{len(prompts)} requests ({source}, {min(map(len, prompts))}-"
-          f"{max(map(len, prompts))} prompt tokens), {a.max_tokens} new tokens each; default "
-          f"mode {config.mode!r}; servers up", flush=True)
+    show(f"{len(prompts)} requests ({source}, {min(map(len, prompts))}-"
+         f"{max(map(len, prompts))} prompt tokens), {a.max_tokens} new tokens each; default "
+         f"mode {config.mode!r}; servers up", flush=True)
     temps, cells = a.temperatures, [(t, c) for t in a.temperatures for c in a.clients]
     res: dict[tuple[str, float, int], list[dict[str, float]]] = {
         (s.name, t, c): [] for s in servers for t, c in cells}
@@ -267,10 +279,10 @@ def _bench(a: argparse.Namespace, config: EngineConfig, servers: list[Server]) -
                 print(f"round {r + 1}/{a.rounds}  T={t:g}  offline, one at a time: "
                       f"{m['tokens_per_s']:7.1f} tok/s ({m['seconds']:.1f} s)", flush=True)
     rows = [cell_row(t, c, res[("default", t, c)], res[("ar", t, c)]) for t, c in cells]
-    print(table(rows, [("temperature", "T", "g"), ("clients", "clients", "d"),
-                       ("default_tok_s", "default tok/s", ".1f"),
-                       ("ar_tok_s", "ar tok/s", ".1f"), ("ratio", "default/ar", ".2f"),
-                       ("round_median", "paired", ".2f")]))
+    show(table(rows, [("temperature", "T", "g"), ("clients", "clients", "d"),
+                      ("default_tok_s", "default tok/s", ".1f"),
+                      ("ar_tok_s", "ar tok/s", ".1f"), ("ratio", "default/ar", ".2f"),
+                      ("round_median", "paired", ".2f")]))
     offline = []
     for t in temps:
         o = median(off[t])
@@ -282,9 +294,9 @@ def _bench(a: argparse.Namespace, config: EngineConfig, servers: list[Server]) -
                  server_vs_offline=one and one["default_tok_s"] / o["tokens_per_s"],
                  server_vs_offline_paired=paired)
         offline.append(o)
-        print(f"T={t:g}: server 1 client {o['server_1client_tok_s'] or float('nan'):.1f} tok/s, "
-              f"offline {o['tokens_per_s']:.1f} tok/s, server/offline "
-              f"{o['server_vs_offline'] or float('nan'):.2f} (paired {paired or float('nan'):.2f})")
+        show(f"T={t:g}: server 1 client {o['server_1client_tok_s'] or float('nan'):.1f} tok/s, "
+             f"offline {o['tokens_per_s']:.1f} tok/s, server/offline "
+             f"{o['server_vs_offline'] or float('nan'):.2f} (paired {paired or float('nan'):.2f})")
     greedy1 = next((r for r in rows if r["temperature"] == 0 and r["clients"] == 1), None)
     greedy_off = next((o for o in offline if o["temperature"] == 0), None)
     summary = {"min_default_vs_ar": min(r["ratio"] for r in rows),
@@ -294,7 +306,7 @@ def _bench(a: argparse.Namespace, config: EngineConfig, servers: list[Server]) -
                "server_vs_offline_1client_greedy": greedy_off and greedy_off["server_vs_offline"],
                "paired_server_vs_offline_1client_greedy":
                    greedy_off and greedy_off["server_vs_offline_paired"]}
-    print("  ".join(f"{k} {v:.2f}" if v is not None else f"{k} -" for k, v in summary.items()))
+    show("  ".join(f"{k} {v:.2f}" if v is not None else f"{k} -" for k, v in summary.items()))
 
     def plot(fig: Any) -> None:
         ax1, ax2 = fig.add_subplot(1, 2, 1), fig.add_subplot(1, 2, 2)
@@ -317,10 +329,12 @@ def _bench(a: argparse.Namespace, config: EngineConfig, servers: list[Server]) -
 
     for r in rows:
         del r["default_tok_s"], r["ar_tok_s"]
-    write_results("serve", {
+    paths = write_results("serve", {
         "params": vars(a), "env": environment("cpu"), "prompts": source,
         "default_mode": config.mode, "servers": {s.name: shlex.join(s.cmd) for s in servers},
         "cells": rows, "offline": offline, "summary": summary}, plot, a.out)
+    if a.report:
+        write_report("serve", "bench.serve", printed, argv=argv, files=paths)
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@
     python -m bench.tree [--quick] [--bs 1 8 32] [--budgets 8 16 32 64] [--block-size 16]
                          [--vocab 4096] [--device cpu|cuda] [--threads 1] [--out runs/bench]
                          [--probs-only | --no-probs] [--probs-vocab 3072 163840]
-                         [--probs-shape 8x17 1x17]
+                         [--probs-shape 8x17 1x17] [--report]
 
 Build times include the retrieval arrays and the attention mask, which the builder computes in the
 same pass. Ratios are host heap time (`build_ddtree_host`, the eager CPU step's builder) over device
@@ -15,7 +15,8 @@ the full vocabulary sort (`bound=None`, the old path) against the bounded top-k 
 row counts an eager runner passes (`topk_rows` / `sort_rows` from `row_promises`) and with every row
 (what a graph serving any mix runs). Mixes: top-k 50 + top-p 0.95 on every row; one top-p 0.95 row
 among greedy rows (peaked logits: the nucleus fits the bound; flat: it does not and that row takes
-the fallback sort); top-p 0.95 on every row.
+the fallback sort); top-p 0.95 on every row. `--report` also writes `bench/reports/tree.md` (or
+`tree_probs.md` with `--probs-only`; `bench.common.write_report`).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from typing import Any
 
 import torch
 
-from bench.common import DEFAULT_OUT, environment, table, time_fn, write_results
+from bench.common import DEFAULT_OUT, environment, table, time_fn, write_report, write_results
 from ops.sampling import TOPK_BOUND, row_promises, target_probs
 from ops.tree import build_ddtree, build_ddtree_host
 from ops.verify import tree_greedy, tree_greedy_host, tree_sample
@@ -136,6 +137,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--quick", action="store_true", help="fewer repeats")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=str(DEFAULT_OUT))
+    ap.add_argument("--report", action="store_true",
+                    help="also write bench/reports/<tree|tree_probs>.md (command, commit, machine, "
+                         "date)")
     probs = ap.add_mutually_exclusive_group()
     probs.add_argument("--probs-only", action="store_true", help="only the target_probs table")
     probs.add_argument("--no-probs", action="store_true", help="skip the target_probs table")
@@ -151,13 +155,19 @@ def main(argv: list[str] | None = None) -> None:
     g = torch.Generator().manual_seed(args.seed)
     env = environment(args.device)
     payload: dict[str, Any] = {"benchmark": "tree", "args": vars(args), "environment": env}
+    printed: list[str] = []  # what the report holds
+
+    def show(text: str) -> None:
+        print(text)
+        printed.append(text)
+
     if not args.no_probs:
         shapes = [tuple(int(x) for x in s.lower().split("x")) for s in args.probs_shape]
         probs_rows = [measure_probs(v, bs, n, mix, args, g) for v in args.probs_vocab
                       for bs, n in shapes for mix in args.probs_mix]
-        print(f"target_probs: full sort vs bounded top-k (bound {TOPK_BOUND}) "
-              f"device={args.device} threads={env['threads']}")
-        print(table(probs_rows, [
+        show(f"target_probs: full sort vs bounded top-k (bound {TOPK_BOUND}) "
+             f"device={args.device} threads={env['threads']}")
+        show(table(probs_rows, [
             ("vocab", "V", "d"), ("bs", "bs", "d"), ("nodes", "N", "d"), ("mix", "mix", "s"),
             ("topk_rows", "topk rows", "d"), ("sort_rows", "sort rows", "d"),
             ("sort_ms", "sort ms", ".2f"), ("bounded_ms", "bounded ms", ".2f"),
@@ -166,7 +176,10 @@ def main(argv: list[str] | None = None) -> None:
         ]))
         payload["probs_rows"] = probs_rows
     if args.probs_only:
-        write_results("tree_probs", payload, None, args.out)
+        paths = write_results("tree_probs", payload, None, args.out)
+        if args.report:
+            write_report("tree_probs", "bench.tree", printed, argv=argv, files=paths,
+                         device=args.device)
         return
     rows = [measure(bs, k, args, g) for bs in args.bs for k in args.budgets]
     columns = [
@@ -181,10 +194,12 @@ def main(argv: list[str] | None = None) -> None:
         ("greedy_host_ms", "host walk ms", ".3f"),
         ("sample_over_greedy", "sample/greedy", ".2f"),
     ]
-    print(f"L={args.block_size - 1} V={args.vocab} device={args.device} threads={env['threads']}")
-    print(table(rows, columns))
+    show(f"L={args.block_size - 1} V={args.vocab} device={args.device} threads={env['threads']}")
+    show(table(rows, columns))
     payload["rows"] = rows
-    write_results("tree", payload, plot(rows), args.out)
+    paths = write_results("tree", payload, plot(rows), args.out)
+    if args.report:
+        write_report("tree", "bench.tree", printed, argv=argv, files=paths, device=args.device)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 from bench import job, serve, spec
-from bench.common import cpu_name, environment, interleave, ratio_interval, round_order
+from bench.common import cpu_name, environment, interleave, ratio_interval, write_report
+from graphs.measure import round_order
 
 
 def test_bench_spec_random_pair(tmp_path: Path) -> None:
@@ -71,7 +72,7 @@ def test_perfect_ceiling_bounds(tmp_path: Path) -> None:
     """The perfect-drafter ceiling: 1 at budget 0, at most 1 + budget, growing with the budget,
     and nearly 1 + budget when the target is almost deterministic (a cold temperature)."""
     pytest.importorskip("transformers")
-    from engine.tools.make_tiny import make_tiny
+    from tools.make_tiny import make_tiny
 
     model = make_tiny(tmp_path / "t", dtype="fp32", layers=2, hidden=128)
     prompts, outputs = [[5, 6, 7], [9, 10]], [[11, 12, 13, 14], [15, 16, 17]]
@@ -124,6 +125,32 @@ def test_the_environment_names_the_cpu_part() -> None:
     assert env["cpu"] and env["cpus"] >= 1
 
 
+
+def test_a_report_holds_command_commit_machine_date_and_table(tmp_path: Path) -> None:
+    """`--report`'s writer: the command line, the commit, the machine, the UTC date and the
+    printed table verbatim, in `<kind>.md`; the run's JSON and PNG copied beside it and linked;
+    a second run of the kind overwrites the first."""
+    import re
+
+    rows = "  run  tok/s\n-----  -----\n   ar  100.0\n tree  150.0"
+    data = tmp_path / "runs" / "spec.json"
+    data.parent.mkdir()
+    data.write_text("{}\n")
+    reports = tmp_path / "reports"
+    path = write_report("spec", "bench.spec", [rows, "policy_vs_ar 1.50"],
+                        argv=["--prompts", "2", "--out", "a b"], files=[data], reports=reports)
+    assert path == reports / "spec.md"
+    text = path.read_text()
+    assert "- Command: `python -m bench.spec --prompts 2 --out 'a b'`" in text
+    assert re.search(r"^- Commit: `([0-9a-f]{4,}(\+dirty)?|unknown)`$", text, re.M)
+    machine = re.search(r"^- Machine: (.+)$", text, re.M)
+    assert machine and environment("cpu")["cpu"] in machine[1] and "torch " in machine[1]
+    assert re.search(r"^- Date: \d{4}-\d\d-\d\d \d\d:\d\d UTC$", text, re.M)
+    assert f"```\n{rows}\npolicy_vs_ar 1.50\n```" in text
+    assert (reports / "spec.json").read_text() == "{}\n" and "[spec.json](spec.json)" in text
+    write_report("spec", "bench.spec", "other", argv=[], reports=reports)
+    assert "other" in path.read_text() and "tree  150.0" not in path.read_text()
+
 def test_bench_job_pairs_the_cli_with_ar(tmp_path: Path) -> None:
     """Two fresh `engine.generate` processes a pair, each mode's printed tokens/s read back, and
     greedy lines the same in both modes."""
@@ -175,7 +202,7 @@ def test_stepwise_generation_leaves_out_its_suspended_time(tmp_path: Path, monke
     import time
 
     from engine import LLM, SamplingParams
-    from engine.tools.make_tiny import make_tiny
+    from tools.make_tiny import make_tiny
 
     llm = LLM(make_tiny(tmp_path / "t", dtype="fp32", layers=2, hidden=128), mode="ar",
               progress=False)

@@ -138,7 +138,7 @@ def test_a_poison_request_fails_alone(inproc: tuple[LLM, str],
     no exception text; the streams running beside it end with their single-run output."""
     llm, url = inproc
     bodies = [{"prompt": _ids(700 + i, 6 + i), "max_tokens": 24, "temperature": 0,
-               "ignore_eos": True, "stream": i % 2 == 0} for i in range(6)]
+               "ignore_eos": True, "stream": i < 7} for i in range(9)]  # seven streams
 
     async def one(http: httpx.AsyncClient, body: dict[str, Any]) -> tuple[int, Any]:
         if not body["stream"]:
@@ -172,6 +172,7 @@ def test_a_poison_request_fails_alone(inproc: tuple[LLM, str],
     alone, together = asyncio.run(run())
     for b, want, got in zip(bodies, alone, together):
         assert text(*got, b["stream"]) == want
+        assert not b["stream"] or got[1][-1] == "[DONE]"
     (s1, whole), (s2, streamed) = together[-2:]
     assert s1 == 500 and whole["error"]["type"] == "server_error"
     assert s2 == 200 and streamed[-1] == "[DONE]" and "error" in streamed[-2]
