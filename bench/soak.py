@@ -43,6 +43,7 @@ KINDS: dict[str, set[int]] = {
     "leave-stream": {0, 200}, "leave-waiting": {0}, "leave-body": {0}, "slow-body": {408},
 }
 WARM_UP = 32  # requests before the first memory reading
+MAX_RSS_GROWTH_MIB = 50  # the most the server's memory may grow, from healthy to the end
 
 
 def rss_kib(pid: int) -> int:
@@ -187,7 +188,8 @@ def main(argv: list[str] | None = None) -> None:
         args += ["--model", a.model]
     if a.draft:
         args += ["--draft", a.draft]
-    server = Server("soak", args, Path(a.out) / "soak-server.log")
+    log_path = Path(a.out) / "soak-server.log"
+    server = Server("soak", args, log_path)
     try:
         server.wait_healthy(a.startup_timeout)
         pages0 = httpx.get(f"{server.url}/health", timeout=10).json()["kv_pages_free"]
@@ -222,12 +224,18 @@ def main(argv: list[str] | None = None) -> None:
         if k.startswith(("kimi_requests_total", "kimi_requests_finished_total")) and v:
             lines.append(f"  {k} {v:g}")
     served500 = sum(v for k, v in m.items() if 'status="500"' in k)
+    log = log_path.read_text(errors="replace").splitlines()
+    errors = sum(1 for line in log if line.startswith("ERROR") or "Traceback" in line)
+    grew = (end_rss - start_rss) / 1024
     lines += ["", f"RSS: {start_rss / 1024:.0f} MiB at start, {warm_rss / 1024:.0f} MiB after "
               f"{WARM_UP} requests, {end_rss / 1024:.0f} MiB at the end (growth after the "
               f"warm-up: {(end_rss - warm_rss) / 1024:+.1f} MiB)",
-              f"KV pages free: {pages0} before, {h['kv_pages_free']} after"]
-    ok = not bad and not served500 and h["kv_pages_free"] == pages0
-    why = [*bad, *(["500s"] if served500 else []),
+              f"KV pages free: {pages0} before, {h['kv_pages_free']} after",
+              f"server log: {errors} ERROR or Traceback lines"]
+    ok = (not bad and not served500 and not errors and grew <= MAX_RSS_GROWTH_MIB
+          and h["kv_pages_free"] == pages0)
+    why = [*bad, *(["500s"] if served500 else []), *([f"{errors} errors logged"] if errors else []),
+           *([f"RSS grew {grew:.0f} MiB"] if grew > MAX_RSS_GROWTH_MIB else []),
            *([f"pages {h['kv_pages_free']}/{pages0}"] if h["kv_pages_free"] != pages0 else [])]
     lines.append("result: PASS" if ok else f"result: FAIL ({'; '.join(why)})")
     text = "\n".join(lines)

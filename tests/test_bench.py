@@ -228,3 +228,15 @@ def test_stepwise_generation_leaves_out_its_suspended_time(tmp_path: Path, monke
     assert added == sum(map(len, ref))  # each step yields the tokens it added
     assert suspensions >= 4 and now[0] > 100 * suspensions  # one token a step after the first
     assert 0 < llm.stats["seconds"] < 100
+
+
+def test_bench_soak_passes_a_short_mix(tmp_path: Path, capsys) -> None:
+    """`bench.soak` against the bundled pair: one request of each kind (good, bad, leaving, slow)
+    gets its expected status, and the server ends with every page back, no 500 and no ERROR."""
+    from bench import soak
+
+    soak.main(["--requests", str(len(soak.KINDS)), "--concurrency", "4", "--max-tokens", "4",
+               "--out", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert "result: PASS" in out and "unexpected" not in out
+    assert "server log: 0 ERROR or Traceback lines" in out
