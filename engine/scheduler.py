@@ -232,12 +232,16 @@ class Scheduler:
             try:
                 self._grow(req, req.cache_len + span)
             except OutOfPages:
-                victim = self.running.pop()
-                self._release(victim)
-                self.waiting.appendleft(victim)
-                self.num_preemptions += 1
+                self._preempt(self.running[-1])
                 return False
         return True
+
+    def _preempt(self, req: Request) -> None:
+        """`req` leaves the batch for the front of the queue, its pages freed."""
+        self.running.remove(req)
+        self._release(req)
+        self.waiting.appendleft(req)
+        self.num_preemptions += 1
 
     # ---- one engine step -----------------------------------------------------------------------
 
@@ -267,12 +271,8 @@ class Scheduler:
             if isinstance(new, BaseException):
                 events.append(self._failed(req, new, blamed))
                 continue
-            try:
-                kept = self._apply(req, new)
-            except Exception as e:  # noqa: BLE001 - a host-side failure is this row's own
-                if not self.isolate:
-                    raise
-                events.append(self._failed(req, e, True))
+            kept = self._applied(req, new, events)
+            if kept is None:
                 continue
             if req.finished:
                 self._release(req)
@@ -312,12 +312,8 @@ class Scheduler:
             toks, acc = res
             req.num_steps += 1
             req.accept_lengths.append(acc + 1)
-            try:
-                kept = self._apply(req, toks)
-            except Exception as e:  # noqa: BLE001 - a host-side failure is this row's own
-                if not self.isolate:
-                    raise
-                events.append(self._failed(req, e, True))
+            kept = self._applied(req, toks, events)
+            if kept is None:
                 continue
             events.append(StepEvent(req, kept, req.finished, acc + 1))
             if req.finished:
@@ -357,13 +353,22 @@ class Scheduler:
         try:
             self._grow(req, req.cache_len + shape.max_emit)
         except OutOfPages:
-            self.running.remove(req)
-            self._release(req)
-            self.waiting.appendleft(req)
-            self.num_preemptions += 1
+            self._preempt(req)
             return None
         emitted, accepted = run_step(self.runner, [req], shape.drafts)
         return emitted[0], accepted[0]
+
+    def _applied(self, req: Request, toks: list[int], events: list[StepEvent]
+                 ) -> list[int] | None:
+        """`_apply(req, toks)`; with `isolate`, a host-side failure there is `req`'s own: it
+        fails alone (an event in `events`) and None is returned."""
+        try:
+            return self._apply(req, toks)
+        except Exception as e:  # noqa: BLE001 - raised again unless isolated
+            if not self.isolate:
+                raise
+            events.append(self._failed(req, e, True))
+            return None
 
     def _failed(self, req: Request, err: BaseException, blamed: bool) -> StepEvent:
         """`req` ends with reason "error" (its pages freed), failed by `err`."""
