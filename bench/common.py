@@ -217,6 +217,18 @@ def write_report(kind: str, prog: str, results: str | list[str], *,
     return path
 
 
+def server_metrics(url: str) -> dict[str, float]:
+    """A server's `/metrics` as `{sample name with its labels: value}` (Prometheus text)."""
+    import httpx
+
+    out = {}
+    for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            out[name] = float(value)
+    return out
+
+
 def table(rows: list[dict[str, Any]], columns: list[tuple[str, str, str]]) -> str:
     """A fixed-width text table; columns are (key, header, format spec); None prints "-"."""
     cells = [[header for _, header, _ in columns]]

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import httpx
 
-from bench.common import write_report
+from bench.common import server_metrics, write_report
 from bench.serve import Server
 
 KEY = "soak-key"
@@ -51,15 +51,6 @@ def rss_kib(pid: int) -> int:
         if line.startswith("VmRSS:"):
             return int(line.split()[1])
     return 0
-
-
-def metrics(url: str) -> dict[str, float]:
-    out = {}
-    for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
-        if line and not line.startswith("#"):
-            name, value = line.rsplit(" ", 1)
-            out[name] = float(value)
-    return out
 
 
 async def raw(url: str, data: bytes, read: bool, wait: float) -> int:
@@ -205,7 +196,7 @@ def main(argv: list[str] | None = None) -> None:
                 break
             time.sleep(0.2)
         end_rss = rss_kib(server.proc.pid)
-        m = metrics(server.url)
+        m = server_metrics(server.url)
     finally:
         server.stop()
 

@@ -24,6 +24,7 @@ openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 
+from bench.common import server_metrics  # noqa: E402
 from engine.config import SamplingParams  # noqa: E402
 from engine.llm import LLM  # noqa: E402
 from engine.serve.worker import Engine, Handle  # noqa: E402
@@ -52,12 +53,7 @@ class ServerProc:
         return httpx.get(f"{self.url}/health", timeout=10).json()
 
     def metrics(self) -> dict[str, float]:
-        out = {}
-        for line in httpx.get(f"{self.url}/metrics", timeout=10).text.splitlines():
-            if line and not line.startswith("#"):
-                name, value = line.rsplit(" ", 1)
-                out[name] = float(value)
-        return out
+        return server_metrics(self.url)
 
     def wait_idle(self, timeout: float = 30.0) -> dict[str, Any]:
         """Polls /health until nothing runs or waits and every page is free again."""
