@@ -423,7 +423,8 @@ TopK = Annotated[int, Field(ge=-1, le=2**63 - 1)]
 # Temperatures below this sample as greedy (vLLM's _SAMPLING_EPS): dividing logits by less
 # overflows float32 into inf and NaN.
 SAMPLING_EPS = 1e-5
-Seed = Annotated[int, Field(ge=-(2**63), le=2**64 - 1)]  # what a 64-bit seed holds
+MAX_SEED = 2**64 - 1
+Seed = Annotated[int, Field(ge=-(2**63), le=MAX_SEED)]  # what a 64-bit seed holds
 StopString = Annotated[str, Field(min_length=1)]
 _STRICT = ConfigDict(strict=True)
 _AS_TUPLE = BeforeValidator(lambda v: tuple(v) if isinstance(v, list) else v)  # TOML arrays

@@ -45,7 +45,7 @@ from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Receive, Scope, Send
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from engine.config import SamplingParams
+from engine.config import MAX_SEED, SamplingParams
 from engine.llm import LLM
 from engine.scheduler import RequestRejected
 from engine.serve import protocol as api
@@ -60,7 +60,6 @@ LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
 # Routes outside /v1 that need the API key too: vLLM guards only /v1, but these template and
 # tokenize whole bodies (and show the chat template's work) for whoever asks.
 KEYED_PATHS = frozenset({"/tokenize", "/detokenize"})
-MAX_SEED = 2**64 - 1  # the largest seed a request may send (engine.config.Seed)
 Body = api.CompletionRequest | api.ChatRequest
 Item = tuple[OutputDelta, str | None, int]
 T = TypeVar("T")
