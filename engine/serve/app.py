@@ -151,7 +151,7 @@ class Server:
     def waiting(self) -> int:  # handed to the engine, not running yet
         return self.active - self.engine.snapshot["running"]
 
-    async def read(self, http: Request, model: type[Body]) -> Body:
+    async def read(self, http: Request, model: type[T]) -> T:
         """The body, read within `--request-timeout` (else 408) and `--max-body-bytes` (else
         413, without reading past the limit), parsed; a client that leaves raises ClientGone."""
         return await self.read_as(http, functools.partial(api.parse, model=model))
@@ -451,7 +451,7 @@ def build_app(llm: LLM, served_model_name: str, max_queue: int = 256,
     @app.post("/detokenize")
     async def detokenize(http: Request) -> dict[str, Any]:
         """vLLM's: the text of token ids, special tokens written out (`{"prompt": str}`)."""
-        body = await srv.read_as(http, functools.partial(api.parse, model=api.DetokenizeRequest))
+        body = await srv.read(http, api.DetokenizeRequest)
         srv.check_model(body.model)
         tok = srv.tokenizer("tokens")
         if (bad := next((t for t in body.tokens if not 0 <= t < tok.vocab_size), None)
