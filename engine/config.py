@@ -492,6 +492,10 @@ class EngineConfig:
         None, description=f"memory the engine may take on the CPU (16GB, 8GiB or bytes): "
                           f"sizes the KV pool unless --kv-pages (default: "
                           f"{CPU_MEMORY_SHARE} x MemAvailable at start)")
+    prefill_chunk: Annotated[int, Field(ge=1)] | None = Field(
+        None, description="most prompt tokens prefilled in one engine step: a longer prompt "
+                          "is prefilled in chunks of it, between the running requests' steps "
+                          "(default: 2048 on the CPU, 4096 on CUDA)")
     capture_sizes: Annotated[tuple[Annotated[int, Field(ge=1)], ...], _AS_TUPLE] | None = Field(
         None, description="batch sizes with a step graph, comma-separated (default: 1, 2, "
                           "4, 8, 16, 24, 32, 48, ... up to --max-batch-size)")

@@ -25,6 +25,7 @@ from engine.memory import (
     activation_reserve,
     checkpoint_bytes,
     default_cpu_budget,
+    default_prefill_chunk,
     gb,
     parse_size,
     size_kv_pool,
@@ -34,7 +35,7 @@ from engine.models.kimi import KimiForCausalLM
 from engine.policy import default_policy, load_budgets
 from engine.request import Request
 from engine.runner import PhaseTimer, StepGraphRunner
-from engine.scheduler import PREFILL_TOKENS, Scheduler
+from engine.scheduler import Scheduler
 from engine.spec import Models, StepShape
 from engine.tokenizer import Tokenizer
 
@@ -113,6 +114,12 @@ def load_models(cfg: EngineConfig, device: torch.device, dtype: torch.dtype,
     return Models(target, drafter, tp=tp), model
 
 
+def prefill_chunk(cfg: EngineConfig, device: torch.device) -> int:
+    """The most prompt tokens one engine step prefills: `--prefill-chunk`, else the device's
+    default (`engine.memory.PREFILL_CHUNK`)."""
+    return cfg.prefill_chunk or default_prefill_chunk(device.type)
+
+
 def memory_budget(cfg: EngineConfig, device: torch.device) -> tuple[int | None, int, str]:
     """The memory the engine may take on `device` (`engine.memory`'s budget; None: unknown),
     the bytes in use there now (on CUDA, as `mem_get_info` says: weights, context, other
@@ -142,7 +149,7 @@ def check_fits(cfg: EngineConfig, device: torch.device, dtype: torch.dtype,
     weights = (checkpoint_bytes(model) + (checkpoint_bytes(draft) if cfg.mode != "ar" else 0)
                ) // cfg.tp
     reserve = activation_reserve(mc, tp=cfg.tp, max_batch_size=cfg.max_batch_size, step_rows=1,
-                                 prefill_tokens=PREFILL_TOKENS, dtype_bytes=nbytes,
+                                 prefill_tokens=prefill_chunk(cfg, device), dtype_bytes=nbytes,
                                  cuda=device.type == "cuda")
     size_kv_pool(budget_bytes=budget[0], used_bytes=budget[1] + weights,
                  reserve_bytes=reserve.total,
@@ -239,6 +246,7 @@ class LLM:
             runner = AnnouncingRunner(self.runner, self.tp)
         self.scheduler = Scheduler(
             runner, num_pages=num_pages, page_size=cfg.page_size, vocab_size=mc.vocab_size,
+            prefill_chunk=prefill_chunk(cfg, device),
             max_batch_size=cfg.max_batch_size, max_model_len=self.max_model_len,
             stop_ids=stop_ids, detok=self.decode if self.tokenizer else None)
         self.stats: dict[str, Any] = {}
@@ -267,7 +275,8 @@ class LLM:
                        for m in (self.models.target, self.models.drafter) if m is not None
                        for t in (*m.parameters(), *m.buffers()))
         reserve = activation_reserve(mc, tp=cfg.tp, max_batch_size=cfg.max_batch_size,
-                                     step_rows=step_rows, prefill_tokens=PREFILL_TOKENS,
+                                     step_rows=step_rows,
+                                     prefill_tokens=prefill_chunk(cfg, device),
                                      dtype_bytes=torch.finfo(dtype).bits // 8,
                                      cuda=device.type == "cuda")
         try:

@@ -37,6 +37,12 @@ CUDA_OVERHEAD_BYTES = 2 * 2**30
 # engine reads as used memory from `mem_get_info` after loading its weights.
 CUDA_RUNTIME_BYTES = 2**30
 
+# The most prompt tokens one engine step prefills (`--prefill-chunk`'s default): on the CPU, as
+# many as a batched prefill took before prompts were chunked; on CUDA, the largest power of two
+# whose prefill activations stay under 4 GB per rank for Kimi K2.5 at --tp 8 (`python -m
+# graphs.plan --rehearse` measures them).
+PREFILL_CHUNK = {"cpu": 2048, "cuda": 4096}
+
 UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9,
          "t": 1e12, "tb": 1e12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
@@ -116,19 +122,28 @@ def step_activation_bytes(*, rows: int, vocab_size: int) -> int:
     return 2 * rows * vocab_size * 4
 
 
+def default_prefill_chunk(device_type: str) -> int:
+    """`--prefill-chunk`'s default on a device of `device_type` ("cpu", "cuda", or "meta",
+    which plans for CUDA)."""
+    return PREFILL_CHUNK["cpu" if device_type == "cpu" else "cuda"]
+
+
 def prefill_activation_bytes(mc: Any, *, tokens: int, tp: int, dtype_bytes: int) -> int:
     """One prefill forward's live activations over `tokens` tokens (a `ModelConfig`), estimated:
     every layer's cache rows (listed, then stacked), the naive MLA attention of one layer
-    (queries, keys and values expanded per head, float32 scores), the widest MLP of one layer
-    and a few hidden-state copies in float32."""
+    (queries, keys and values expanded per head, float32 scores), the widest MLP of one layer,
+    the grouped expert kernels' float32 scratch (a hidden row per token and chosen expert, and
+    their gate/up rows) and a few hidden-state copies in float32."""
     heads = -(-mc.num_attention_heads // tp)
     rows = 2 * mc.num_hidden_layers * tokens * mc.kv_cache_dim * dtype_bytes
     attn = heads * tokens * (2 * mc.qk_head_dim + mc.v_head_dim) * dtype_bytes \
         + heads * tokens * tokens * 4
     moe = (mc.num_experts_per_tok + mc.n_shared_experts) * mc.moe_intermediate_size
     mlp = 3 * tokens * max(mc.intermediate_size // tp, moe) * dtype_bytes
+    pairs = tokens * mc.num_experts_per_tok
+    scratch = pairs * (mc.hidden_size + 2 * -(-mc.moe_intermediate_size // tp)) * 4
     hidden = 6 * tokens * mc.hidden_size * 4
-    return rows + attn + mlp + hidden
+    return rows + attn + mlp + scratch + hidden
 
 
 @dataclass(frozen=True)
@@ -147,11 +162,9 @@ class Reserve:
 def activation_reserve(mc: Any, *, tp: int, max_batch_size: int, step_rows: int,
                        prefill_tokens: int, dtype_bytes: int, cuda: bool) -> Reserve:
     """The reserve for `mc` (a `ModelConfig`): the step of `max_batch_size` rows of `step_rows`
-    tokens each (tree nodes plus draft block), a prefill of `prefill_tokens` tokens (the
-    scheduler's batched-prefill limit) and, on CUDA, the fixed overhead.
-    NOTE: a single prompt longer than `prefill_tokens` is prefilled alone in one forward, whose
-    activations grow with its length (its scores with its square): not covered here; chunked
-    prefill bounds it."""
+    tokens each (tree nodes plus draft block), a prefill of `prefill_tokens` tokens (one engine
+    step's prefill, `--prefill-chunk`: a longer prompt is chunked) and, on CUDA, the fixed
+    overhead."""
     return Reserve(
         step=step_activation_bytes(rows=max_batch_size * step_rows, vocab_size=mc.vocab_size),
         prefill=prefill_activation_bytes(mc, tokens=prefill_tokens, tp=tp,

@@ -36,6 +36,7 @@ from engine.spec import (
     StepShape,
     catch_up,
     prefill,
+    prefill_chunk,
     sparse_pass,
     spec_step,
 )
@@ -71,13 +72,15 @@ class StepInputs:
 
 @dataclass
 class PrefillInputs:
-    """A prefill of `tokens` (positions 0 ..) into `pages`; with `params`, the first new token
+    """A prefill of `tokens` at positions `start ..` into `pages` (which hold positions
+    `0 .. start - 1` already: a chunk of a longer prompt); with `params`, the token after them
     is drawn with `coin`."""
 
     tokens: list[int]
     pages: list[int]
     params: SamplingParams | None = None
     coin: float = 0.0
+    start: int = 0
 
 
 def default_capture_sizes(max_batch_size: int) -> list[int]:
@@ -321,19 +324,34 @@ class StepGraphRunner:
 
     @torch.no_grad()
     def prefill(self, inps: Sequence[PrefillInputs]) -> list[int | None]:
-        """Fill the caches of each input's `pages` with its `tokens`, all in one forward; for
-        each with `params`, the first new token (drawn with its `coin` unless greedy)."""
-        tokens, pages = [i.tokens for i in inps], [i.pages for i in inps]
-        if self.compiled is not None:
-            logits = self.compiled.prefill(tokens, pages)
-        else:
-            logits = prefill(self.models, self.pool, tokens, pages, expert_pass=self.eager_pass)
-        return [None if inp.params is None else self._first(row, inp.params, inp.coin)
-                for row, inp in zip(logits, inps)]
+        """Fill the caches of each input's `pages` with its `tokens`: those from position 0 all
+        in one forward, each later chunk in a forward of its own over its cached prefix
+        (`engine.spec.prefill_chunk`); for each with `params`, the next token (drawn with its
+        `coin` unless greedy)."""
+        out: list[int | None] = [None] * len(inps)
+        head = [i for i, inp in enumerate(inps) if inp.start == 0]
+        if head:
+            tokens, pages = [inps[i].tokens for i in head], [inps[i].pages for i in head]
+            if self.compiled is not None:
+                logits = self.compiled.prefill(tokens, pages)
+            else:
+                logits = prefill(self.models, self.pool, tokens, pages,
+                                 expert_pass=self.eager_pass)
+            for i, row in zip(head, logits):
+                out[i] = self._first(row, inps[i].params, inps[i].coin)
+        for i, inp in enumerate(inps):
+            if inp.start > 0:
+                row = prefill_chunk(self.models, self.pool, inp.tokens, inp.start, inp.pages,
+                                    self.eager_pass, logits=inp.params is not None)
+                out[i] = self._first(row, inp.params, inp.coin)
+        return out
 
     @staticmethod
-    def _first(logits: Tensor, p: SamplingParams, coin: float) -> int:
-        """The token drawn from last-position `logits [V]` with `p` and uniform `coin`."""
+    def _first(logits: Tensor | None, p: SamplingParams | None, coin: float) -> int | None:
+        """The token drawn from last-position `logits [V]` with `p` and uniform `coin` (None
+        without `p`: no token wanted)."""
+        if p is None or logits is None:
+            return None
         if p.greedy:
             return int(logits.argmax())
         dev, (top_k, top_p) = logits.device, _cut(p)

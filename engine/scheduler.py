@@ -1,9 +1,13 @@
 """Continuous batching of speculative steps, in plain Python (no torch).
 
-Each `step()` admits waiting requests (prefill, first token), makes sure every running request
-owns pages for what the next step may write (preempting the newest when the pool runs dry),
-runs one spec step for the whole running batch, and applies the emitted tokens with stop checks
-on the host. Finished requests leave at once and free their pages.
+Each `step()` prefills up to `prefill_chunk` prompt tokens (chunked prefill, as vLLM's): first
+the next chunk of each prompt already being prefilled, then waiting requests, several short
+ones in one forward or the first chunk of a long one; a prompt's last chunk gives its first
+token and moves it to the running batch. It then makes sure every running request owns pages
+for what the next step may write (preempting the newest when the pool runs dry: a prompt being
+prefilled first), runs one spec step for the whole running batch, and applies the emitted
+tokens with stop checks on the host. So a long prompt prefills over several engine steps while
+the running requests keep emitting. Finished requests leave at once and free their pages.
 
 Every model call goes through the runner (`engine.runner.StepGraphRunner`, or anything with its
 `prefill`, `step`, `coins_per_row`, `step_shape` and `shape`), which takes host values, not
@@ -24,10 +28,6 @@ from typing import Any
 from engine.kv_cache import BlockAllocator, OutOfPages, pages_needed
 from engine.request import Request
 from engine.runner import PrefillInputs, StepInputs
-
-# The most tokens (each sequence padded to the batch's longest) one prefill forward takes; a
-# longer sequence is prefilled alone.
-PREFILL_TOKENS = 2048
 
 
 def _context(req: Request) -> list[int]:
@@ -115,8 +115,13 @@ def step_inputs(reqs: Sequence[Request], coins_per_row: int, drafts: bool = Fals
 class Scheduler:
     def __init__(self, runner: Any, *, num_pages: int, page_size: int, vocab_size: int,
                  max_batch_size: int, max_model_len: int, stop_ids: frozenset[int] = frozenset(),
-                 detok: Callable[[list[int]], str] | None = None):
+                 detok: Callable[[list[int]], str] | None = None, prefill_chunk: int = 2048):
+        if prefill_chunk < 1:
+            raise ValueError(f"prefill_chunk must be at least 1, got {prefill_chunk}")
         self.runner = runner
+        # The most prompt tokens one step prefills (each of several short prompts padded to
+        # the longest of them).
+        self.prefill_chunk = prefill_chunk
         self.page_size, self.vocab_size = page_size, vocab_size
         self.alloc = BlockAllocator(num_pages, reserved=1)
         self.max_batch_size = max_batch_size
@@ -124,6 +129,8 @@ class Scheduler:
         self.stop_ids = stop_ids
         self.detok = detok
         self.waiting: deque[Request] = deque()
+        # Admitted, their pages held, their prompts partly prefilled (`cache_len` of them).
+        self.prefilling: list[Request] = []
         self.running: list[Request] = []
         self.num_preemptions = 0
         # Fault isolation (see the module docstring); exceptions of the `fatal` types (a lost
@@ -163,16 +170,25 @@ class Scheduler:
         self.waiting.append(req)
 
     def abort(self, req: Request) -> None:
-        if req in self.running:
-            self.running.remove(req)
-        elif req in self.waiting:
-            self.waiting.remove(req)
+        self._drop(req)
         self._release(req)
         req.finish_reason = req.finish_reason or "abort"
 
+    def _drop(self, req: Request) -> None:
+        """`req` leaves whichever queue holds it."""
+        for queue in (self.running, self.prefilling, self.waiting):
+            if req in queue:
+                queue.remove(req)
+                return
+
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.prefilling or self.running)
+
+    @property
+    def admitted(self) -> int:
+        """Requests holding a batch slot: running, or being prefilled."""
+        return len(self.running) + len(self.prefilling)
 
     def _release(self, req: Request) -> None:
         if req.pages:
@@ -188,17 +204,29 @@ class Scheduler:
     # ---- prefill ---------------------------------------------------------------------------------
 
     def prefill(self, reqs: Sequence[Request]) -> list[list[int]]:
-        """Fill the caches for each request's sequence, all in one forward, and return each
-        one's new tokens (the first sampled token for a fresh request, nothing for a recomputed
-        one)."""
-        inps = []
+        """Fill the caches for each request's whole sequence, all in one forward, and return
+        each one's new tokens (the first sampled token for a fresh request, nothing for a
+        recomputed one)."""
         for req in reqs:
-            fresh, ctx = not req.output_ids, _context(req)
-            self._grow(req, len(ctx))
-            inps.append(PrefillInputs(ctx, list(req.pages), req.params if fresh else None,
-                                      req.coins(1)[0] if fresh else 0.0))
-            req.cache_len = req.fed = len(ctx)
-        return [[] if first is None else [first] for first in self.runner.prefill(inps)]
+            self._grow(req, len(_context(req)))
+        return self._prefill([(req, len(_context(req))) for req in reqs])
+
+    def _prefill(self, pieces: Sequence[tuple[Request, int]]) -> list[list[int]]:
+        """One runner call that prefills, for each `(request, n)`, the next `n` tokens of its
+        context after the `cache_len` already cached (its pages held); returns each one's new
+        tokens: the first sampled token of a fresh request whose context this completes,
+        else nothing. Cache lengths advance only once the call returned."""
+        inps = []
+        for req, n in pieces:
+            ctx, start = _context(req), req.cache_len
+            first = not req.output_ids and start + n == len(ctx)
+            inps.append(PrefillInputs(ctx[start:start + n], list(req.pages),
+                                      req.params if first else None,
+                                      req.coins(1)[0] if first else 0.0, start))
+        firsts = self.runner.prefill(inps)
+        for req, n in pieces:
+            req.cache_len = req.fed = req.cache_len + n
+        return [[] if first is None else [first] for first in firsts]
 
     # ---- host-side token handling ------------------------------------------------------------
 
@@ -227,50 +255,81 @@ class Scheduler:
 
     def _reserve(self, span: int) -> bool:
         """Pages for `span` tokens past each running request's cache; when the pool runs dry,
-        the newest request goes back to the queue and False is returned."""
+        the newest prompt being prefilled (else the newest running request) goes back to the
+        queue and False is returned."""
         for req in self.running:
             try:
                 self._grow(req, req.cache_len + span)
             except OutOfPages:
-                self._preempt(self.running[-1])
+                self._preempt((self.prefilling or self.running)[-1])
                 return False
         return True
 
     def _preempt(self, req: Request) -> None:
-        """`req` leaves the batch for the front of the queue, its pages freed."""
-        self.running.remove(req)
+        """`req` leaves the batch (or its prefill) for the front of the queue, its pages
+        freed."""
+        self._drop(req)
         self._release(req)
         self.waiting.appendleft(req)
         self.num_preemptions += 1
 
     # ---- one engine step -----------------------------------------------------------------------
 
-    def step(self) -> list[StepEvent]:
-        events: list[StepEvent] = []
-        # 1. admit while there is room in the batch and the pool, prefilling together as many
-        # as fit in PREFILL_TOKENS (each padded to the longest)
+    def _pieces(self) -> list[tuple[Request, int]]:
+        """What this step prefills, at most `prefill_chunk` tokens in all: the next chunk of
+        each prompt being prefilled (oldest first), then waiting requests while the batch and
+        the pool have room: whole contexts together (each padded to the longest), or, first
+        in line and longer than what is left, a long one's first chunk. Admitted requests hold
+        the pages of their whole context from here on."""
+        left = self.prefill_chunk
+        pieces: list[tuple[Request, int]] = []
+        for req in self.prefilling:
+            if left <= 0:
+                break
+            n = min(len(_context(req)) - req.cache_len, left)
+            pieces.append((req, n))
+            left -= n
         admit: list[Request] = []
         longest = 0
-        while self.waiting and len(self.running) + len(admit) < self.max_batch_size:
+        while left > 0 and self.waiting and self.admitted + len(admit) < self.max_batch_size:
             req = self.waiting[0]
             seq_len = len(req.prompt_ids) + len(req.output_ids)
+            ctx = len(_context(req))
             if pages_needed(seq_len + self.step_span, self.page_size) > self.alloc.num_free:
                 break
-            if admit and (len(admit) + 1) * max(longest, seq_len) > PREFILL_TOKENS:
+            if admit and (len(admit) + 1) * max(longest, ctx) > left:
                 break
             self.waiting.popleft()
-            self._grow(req, len(_context(req)))  # its pages count against the next admission
+            self._grow(req, ctx)  # its pages count against the next admission
             admit.append(req)
-            longest = max(longest, seq_len)
+            longest = max(longest, ctx)
+            pieces.append((req, min(ctx, left)))
+            if ctx > left:  # a long prompt's first chunk: alone, the rest in later steps
+                break
+        return pieces
+
+    def step(self) -> list[StepEvent]:
+        events: list[StepEvent] = []
+        # 1. prefill: the next chunks of prompts being prefilled, and new requests
+        pieces = self._pieces()
         try:
-            firsts: list[list[int] | BaseException] = list(self.prefill(admit)) if admit else []
+            firsts: list[list[int] | BaseException] = (
+                list(self._prefill(pieces)) if pieces else [])
         except Exception as e:  # noqa: BLE001 - isolated below, or raised again
-            firsts = self._one_by_one(admit, e, lambda r: self.prefill([r])[0])
+            size = {id(r): n for r, n in pieces}
+            firsts = self._one_by_one([r for r, _ in pieces], e,
+                                      lambda r: self._prefill([(r, size[id(r)])])[0])
         blamed = any(not isinstance(f, BaseException) for f in firsts)
-        for req, new in zip(admit, firsts):
+        for (req, _), new in zip(pieces, firsts):
             if isinstance(new, BaseException):
                 events.append(self._failed(req, new, blamed))
                 continue
+            if req.cache_len < len(_context(req)):
+                if req not in self.prefilling:
+                    self.prefilling.append(req)
+                continue
+            if req in self.prefilling:
+                self.prefilling.remove(req)
             kept = self._applied(req, new, events)
             if kept is None:
                 continue
@@ -372,8 +431,7 @@ class Scheduler:
 
     def _failed(self, req: Request, err: BaseException, blamed: bool) -> StepEvent:
         """`req` ends with reason "error" (its pages freed), failed by `err`."""
-        if req in self.running:
-            self.running.remove(req)
+        self._drop(req)
         self._release(req)
         req.finish_reason = "error"
         return StepEvent(req, [], True, error=err, blamed=blamed)

@@ -24,7 +24,6 @@ from engine.dist import Group
 from engine.kv_cache import DUMMY_PAGE, KVPool
 from engine.models.dflash import DFlashDrafter
 from engine.models.kimi import KimiForCausalLM
-from ops.paged import table_slots
 from ops.sampling import argmax, race_logits, sample_from_probs, target_probs
 from ops.tree import DDTree, build_ddtree, build_ddtree_host, chain_tree
 from ops.verify import Decision, tree_greedy, tree_greedy_host
@@ -402,28 +401,60 @@ def prefill(models: Models, pool: KVPool, ctxs: Sequence[Sequence[int]],
 
 
 @torch.inference_mode()
+def prefill_chunk(models: Models, pool: KVPool, tokens: Sequence[int], start: int,
+                  pages: Sequence[int], expert_pass: ExpertPass = sparse_pass,
+                  write_target: bool = True, logits: bool = True) -> Tensor | None:
+    """One forward of one request's `tokens` at positions `start ..`, its first `start`
+    positions already cached in `pages`: the absorbed form over the latent cache (read as the
+    attention backend reads a step's prefix: in place on CUDA, gathered over the live pages
+    elsewhere) and causal within the tokens, so nothing is `T x T` in the prompt and the
+    activations follow the chunk, not the context. Writes the drafter's context rows of the
+    tokens and, with `write_target`, their target latent rows into the cache; returns the last
+    token's logits `[V]` (fp32) when `logits`, else None (and stops after the last aux layer
+    when the target's rows are not wanted). `expert_pass` gives the expert pass of its tokens.
+    Eager: its lengths follow the request."""
+    target, drafter = models.target, models.drafter
+    dev, n = pool.target.device, len(tokens)
+    if n == 0 or start < 0:
+        raise ValueError(f"a chunk needs tokens at a position >= 0, got {n} at {start}")
+    live = -(-(start + n) // pool.page_size)
+    if live > len(pages):
+        raise ValueError(f"positions up to {start + n} need {live} pages, got {len(pages)}")
+    host = torch.tensor(list(pages[:live]))[None]
+    ctx_len = torch.tensor([start])
+    att = models.attention
+    if att.plans:
+        att.plan(host, ctx_len, n)
+    table, ctx_len = host.to(dev), ctx_len.to(dev)
+    ids = torch.tensor(list(tokens), device=dev)[None]
+    pos = start + torch.arange(n, device=dev)[None]
+    causal = torch.ones(n, n, dtype=torch.bool, device=dev).tril()[None]
+    rows = torch.empty(target.cfg.num_hidden_layers, 1, n, target.cfg.kv_cache_dim,
+                       dtype=pool.target.dtype, device=dev)
+    aux_layers = models.aux_layers if drafter is not None else ()
+    out, aux = target.verify(
+        ids, pos, pool.target, att.slots(table, pool.page_size), ctx_len, causal, rows,
+        aux_layers, expert_pass(n), att.prefix(table, n, pool.page_size,
+                                               target.cfg.softmax_scale),
+        logits="last" if logits else "none" if write_target else "features")
+    slots = slot_of(table, pos, pool.page_size)[0]
+    if write_target:
+        pool.target[:, slots] = rows[:, 0]
+    if aux is not None and drafter is not None:
+        feed_drafter(drafter, pool, aux[0], pos[0], slots)
+    return out[0, -1] if logits and out is not None else None
+
+
+@torch.inference_mode()
 def catch_up(models: Models, pool: KVPool, tokens: Sequence[int], start: int, pages: list[int],
              chunk: int = 256, expert_pass: ExpertPass = sparse_pass) -> None:
     """Write the drafter's context rows of committed `tokens` at positions `start ..`, which
     plain-decoding steps committed without feeding it: the target's features of those tokens
-    come from a forward over its cached prefix, `chunk` tokens at a time (causal within a
-    chunk), each with `expert_pass`'s pass for its tokens. Only the drafter's cache is
-    written, so the target's cache and every token stay as they were. Eager: its length
-    follows the request."""
-    target, drafter = models.target, models.drafter
-    dev = pool.target.device
-    table = torch.tensor(pages, device=dev)[None]
-    slots = table_slots(table, pool.page_size)
+    come from `prefill_chunk` over its cached prefix, `chunk` tokens at a time. Only the
+    drafter's cache is written, so the target's cache and every token stay as they were."""
     for a in range(0, len(tokens), chunk):
-        ids = torch.tensor(list(tokens[a:a + chunk]), device=dev)[None]
-        n = ids.shape[1]
-        pos = start + a + torch.arange(n, device=dev)[None]
-        causal = torch.ones(n, n, dtype=torch.bool, device=dev).tril()[None]
-        scratch = torch.empty(target.cfg.num_hidden_layers, 1, n, target.cfg.kv_cache_dim,
-                              dtype=target.lm_head.weight.dtype, device=dev)
-        _, aux = target.verify(ids, pos, pool.target, slots, pos[:, 0], causal, scratch,
-                               models.aux_layers, expert_pass(n), logits=False)
-        feed_drafter(drafter, pool, aux[0], pos[0], slot_of(table, pos, pool.page_size)[0])
+        prefill_chunk(models, pool, tokens[a:a + chunk], start + a, pages, expert_pass,
+                      write_target=False, logits=False)
 
 
 @torch.inference_mode()

@@ -63,6 +63,7 @@ from engine.memory import (
     GPU_MEMORY_UTILIZATION,
     KVMemoryError,
     activation_reserve,
+    default_prefill_chunk,
     parse_size,
     size_kv_pool,
 )
@@ -71,7 +72,6 @@ from engine.models.kimi import KimiForCausalLM
 from engine.models.layers import FP8, cast_parameters, checkpoint_tensors
 from engine.policy import policy_path, write_tuned
 from engine.runner import default_capture_sizes
-from engine.scheduler import PREFILL_TOKENS
 from engine.spec import Models, StepBuffers, StepShape, spec_step
 from ops.moe import moe_bytes, moe_flops
 from ops.quant import fp8_linear_bytes
@@ -372,7 +372,7 @@ def memory(a: argparse.Namespace, models: Models, dtype: torch.dtype, gpu_memory
     # against it below).
     reserve = activation_reserve(c, tp=a.tp, max_batch_size=a.max_batch_size,
                                  step_rows=shape.num_nodes + block,
-                                 prefill_tokens=PREFILL_TOKENS,
+                                 prefill_tokens=default_prefill_chunk("cuda"),
                                  dtype_bytes=torch.finfo(dtype).bits // 8, cuda=True)
     used = per_rank + a.reserve
     budget = int(gpu_memory * a.gpu_memory_utilization)

@@ -244,10 +244,13 @@ def test_serve_under_torchrun(pair, tmp_path):
 
 
 def test_tp_equals_single_process_bundled(tmp_path):
+    """The bundled pair across 2 ranks gives the single process's tokens, prompts prefilled
+    whole or (tree runs) in chunks of 3 and 5 tokens against the unchunked single process."""
     model, draft = BUNDLED
-    runs = [{"mode": "tree", "max_new_tokens": 16}, {"mode": "chain", "max_new_tokens": 16},
-            {"mode": "ar", "max_new_tokens": 16},
-            {"mode": "tree", "max_new_tokens": 16, "temperature": 0.8, "seed": 5}]
+    runs = [{"mode": "tree", "max_new_tokens": 16, "prefill_chunk": 3},
+            {"mode": "chain", "max_new_tokens": 16}, {"mode": "ar", "max_new_tokens": 16},
+            {"mode": "tree", "max_new_tokens": 16, "temperature": 0.8, "seed": 5,
+             "prefill_chunk": 5}]
     ranks = run_tp(2, model, draft, runs, tmp_path)
     for i, run in enumerate(runs):
         tokens, tbytes, _ = single(model, draft, run)

@@ -44,7 +44,7 @@ class FakeRunner:
     def prefill(self, inps: list[PrefillInputs]) -> list[int | None]:
         self.prefill_calls.append(len(inps))
         self.prefills += inps
-        assert all(len(inp.pages) * PAGE >= len(inp.tokens) for inp in inps)
+        assert all(len(inp.pages) * PAGE >= inp.start + len(inp.tokens) for inp in inps)
         return [None if inp.params is None else inp.tokens[-1] + 1 for inp in inps]
 
     def step(self, inp: StepInputs, pad: bool = False) -> tuple[list[list[int]], list[int]]:
@@ -117,12 +117,12 @@ def test_batch_size_limits_admission():
 
 
 
-def test_waiting_requests_are_prefilled_together_up_to_the_token_cap(monkeypatch):
+def test_waiting_requests_are_prefilled_together_up_to_the_chunk():
     """One prefill call takes every request admitted in a step while their padded size (rows
-    times the longest) fits the cap; a request longer than the cap goes alone."""
-    monkeypatch.setattr("engine.scheduler.PREFILL_TOKENS", 12)
+    times the longest) fits the chunk; a request longer than the chunk is prefilled in chunks,
+    alone at first, its last chunk beside the next short request."""
     r = FakeRunner()
-    s = scheduler(r, max_batch_size=3)
+    s = scheduler(r, max_batch_size=3, prefill_chunk=12)
     lens = [3, 4, 5, 2, 20, 1]
     reqs = [req(i, [10 * i + 1] * n, max_new_tokens=2) for i, n in enumerate(lens)]
     for x in reqs:
@@ -130,11 +130,60 @@ def test_waiting_requests_are_prefilled_together_up_to_the_token_cap(monkeypatch
     s.step()
     assert r.prefill_calls == [2]  # a third row would pad to 3 x 5 = 15 tokens
     run(s)
-    # each pair finishes in one step: then [5, 2], [20] alone (two would pad to 40), [1]
-    assert r.prefill_calls == [2, 2, 1, 1]
-    assert [len(p.tokens) for p in r.prefills] == lens
+    # each pair finishes in one step: then [5, 2], the first 12 of 20 alone, its last 8
+    # beside [1] (8 + 1 <= 12)
+    assert r.prefill_calls == [2, 2, 1, 2]
+    assert [(p.start, len(p.tokens)) for p in r.prefills] == [
+        (0, 3), (0, 4), (0, 5), (0, 2), (0, 12), (12, 8), (0, 1)]
+    assert r.prefills[4].params is None and r.prefills[5].params is not None
     for x in reqs:
         assert x.output_ids == [10 * x.rid + 2, 10 * x.rid + 3]
+
+
+def test_a_long_prompt_prefills_in_chunks_while_the_batch_keeps_stepping():
+    """A prompt longer than the chunk takes one chunk per engine step, each after the pages
+    already written, while the running request steps in every engine step; the last chunk
+    gives its first token."""
+    r = FakeRunner(emit=1)
+    s = scheduler(r, prefill_chunk=8)
+    a = req(0, [5, 6], max_new_tokens=30)
+    s.add(a)
+    s.step()
+    long = req(1, list(range(100, 130)), max_new_tokens=3)
+    s.add(long)
+    for _ in range(4):
+        before = len(a.output_ids)
+        s.step()
+        assert len(a.output_ids) == before + 1  # the stream kept emitting
+    chunks = [(p.start, len(p.tokens)) for p in r.prefills if p.tokens[0] >= 100]
+    assert chunks == [(0, 8), (8, 8), (16, 8), (24, 6)]
+    assert [p.tokens for p in r.prefills[1:]] == [list(range(100 + i, min(108 + i, 130)))
+                                                  for i in range(0, 30, 8)]
+    # its first token, then the step it joined in the same engine step
+    assert long.output_ids == [130, 131] and long in s.running and not s.prefilling
+    assert long.cache_len == long.fed == 31
+    run(s)
+    assert long.output_ids == [130, 131, 132] and a.finish_reason == "length"
+
+
+def test_a_prompt_being_prefilled_is_preempted_first_and_recomputed():
+    """When the running requests need pages the pool no longer has, the prompt being
+    prefilled gives its pages back first (it has emitted nothing) and starts over later."""
+    r = FakeRunner(emit=4, max_emit=4)
+    s = scheduler(r, num_pages=14, prefill_chunk=8)
+    a = req(0, [1] * 4, max_new_tokens=24)
+    s.add(a)
+    s.step()
+    b = req(1, [2] * 40, max_new_tokens=2)  # admitted with 11 of 13 pages free
+    s.add(b)
+    run(s)
+    assert s.num_preemptions == 1
+    assert a.output_ids == list(range(2, 26)) and b.output_ids == [3, 4]
+    # b's prefill: two chunks, preempted when a needed a page, then all five chunks
+    starts = [p.start for p in r.prefills if p.tokens[0] == 2]
+    assert starts == [0, 8, 0, 8, 16, 24, 32]
+    assert s.alloc.num_free == 13
+
 
 def test_each_step_reserves_only_its_own_span():
     """Pages follow the step's shape, not the widest one: rows of a plain-decoding batch hold

@@ -160,6 +160,16 @@ def small_server(ckpt: tuple[Path, Path]) -> Iterator[ServerProc]:
 
 
 @pytest.fixture(scope="module")
+def tight_server(ckpt: tuple[Path, Path]) -> Iterator[ServerProc]:
+    """Eight batch slots over a KV pool for about two requests (14 usable pages, 7 each), and
+    prompts prefilled 16 tokens an engine step."""
+    s = _start(ckpt, ckpt[0].parent / "tight.log", "--max-batch-size", "8", "--kv-pages", "15",
+               "--max-model-len", "128", "--prefill-chunk", "16")
+    yield s
+    _stop(s)
+
+
+@pytest.fixture(scope="module")
 def client(server: ServerProc) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0, timeout=60)
 
@@ -548,6 +558,28 @@ def test_preemption_keeps_the_output(small_server: ServerProc, temperature: floa
     assert together == alone
     assert all(r == "length" for _, r in alone)
     small_server.wait_idle(timeout=30)
+
+
+def test_eight_requests_through_a_pool_for_two(tight_server: ServerProc) -> None:
+    """Eight concurrent requests whose prompts are prefilled in chunks (64 tokens, 16 a step)
+    while a pool that holds about two of them queues and preempts the rest: every one
+    completes with its answer alone, greedy or seeded, streamed or not."""
+    bodies = [{"prompt": _ids(700 + i, 64), "max_tokens": 32, "seed": 60 + i,
+               "temperature": 0.0 if i % 2 else 0.8, "ignore_eos": True} for i in range(8)]
+
+    async def run() -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
+        async with httpx.AsyncClient(timeout=120) as http:
+            alone = [await _ask(http, tight_server.url, b) for b in bodies]
+            together = await asyncio.gather(
+                *[_ask(http, tight_server.url, dict(b, stream=i % 3 == 0))
+                  for i, b in enumerate(bodies)])
+            return alone, list(together)
+
+    alone, together = asyncio.run(run())
+    assert together == alone
+    assert all(r == "length" for _, r in together)
+    tight_server.wait_idle(timeout=30)
+    _ok_after(tight_server)
 
 
 # ---- the engine thread on its own --------------------------------------------------------------

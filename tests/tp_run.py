@@ -3,7 +3,7 @@
     torchrun --nproc-per-node W tests/tp_run.py SPEC.json OUT_DIR
 
 SPEC.json: {"model", "draft", "tp", "prompts": [[ids...]], "runs": [{"mode", "budget",
-"max_new_tokens", "temperature", "top_p", "seed", "oracle"}]}. Every rank writes
+"max_new_tokens", "temperature", "top_p", "seed", "oracle", "prefill_chunk"}]}. Every rank writes
 OUT_DIR/rank{r}.json with its parameter bytes per run and whether its process groups were
 really freed on leaving them; rank 0 also writes each run's token ids.
 With "oracle", the drafter is the test suite's oracle (it agrees with the target often, so steps
@@ -38,6 +38,7 @@ def main() -> None:
         llm = LLM(spec["model"], spec["draft"] if run["mode"] != "ar" else None,
                   mode=run["mode"], budget=run.get("budget", 8), tp=spec["tp"],
                   max_batch_size=4, max_model_len=256, progress=False,
+                  prefill_chunk=run.get("prefill_chunk"),
                   tp_timeout=spec.get("tp_timeout", 60.0))
         params = SamplingParams(temperature=run.get("temperature", 0.0),
                                 top_p=run.get("top_p", 1.0), seed=run.get("seed"),

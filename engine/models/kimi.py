@@ -321,7 +321,7 @@ class KimiForCausalLM(nn.Module):
     def verify(
         self, tokens: Tensor, positions: Tensor, kv_cache: Tensor, slots: Tensor | None,
         ctx_len: Tensor, visible: Tensor, tree_kv_out: Tensor, aux_layers: Sequence[int] = (),
-        moe: str = "aligned", prefix: PrefixKernel | None = None, logits: bool = True,
+        moe: str = "aligned", prefix: PrefixKernel | None = None, logits: str = "all",
     ) -> tuple[Tensor | None, Tensor | None]:
         """Absorbed forward of `Q` query tokens per request against the paged latent cache.
 
@@ -335,9 +335,12 @@ class KimiForCausalLM(nn.Module):
         it (by default the fixed-shape pass over aligned blocks, which graphs need). `prefix`:
         the step's prefix-attention kernel (the attention backend's; one serves every layer), or
         None for one softmax over the gathered `slots` and the queries' own rows.
-        `logits=False` returns no logits and stops after the last aux layer (the features
-        alone).
+        `logits`: "all" (every query's), "last" (each row's last query's, `[bs, 1, V]`), "none"
+        (every layer runs, for `tree_kv_out`), or "features" (none, and it stops after the last
+        aux layer: the features alone).
         """
+        if logits not in ("all", "last", "none", "features"):
+            raise ValueError(f"logits must be all, last, none or features, got {logits!r}")
         cos, sin = self._rope(positions)
         heads = self.model.layers[0].self_attn.num_heads
         bias = joint_bias(slots, ctx_len, visible, heads) if prefix is None else None
@@ -348,10 +351,12 @@ class KimiForCausalLM(nn.Module):
 
         h = self.model.embed_tokens(tokens)
         aux = []
-        last = len(self.model.layers) if logits else max(aux_layers) + 1
+        last = max(aux_layers) + 1 if logits == "features" else len(self.model.layers)
         for i, layer in enumerate(self.model.layers[:last]):
             h, _ = layer(h, attend, moe)
             if i in aux_layers:
                 aux.append(h)
-        out = self.lm_head(self.model.norm(h)).float() if logits else None
+        if logits == "last":
+            h = h[:, -1:]
+        out = self.lm_head(self.model.norm(h)).float() if logits in ("all", "last") else None
         return out, (torch.cat(aux, dim=-1) if aux else None)

@@ -194,7 +194,8 @@ class Engine:
 
     def _fail_all(self, message: str) -> None:
         # NOTE: a request a failed step held may be in neither queue: abort each one by name.
-        for req in [*self._owned.values(), *self.sched.running, *self.sched.waiting]:
+        for req in [*self._owned.values(), *self.sched.running, *self.sched.prefilling,
+                    *self.sched.waiting]:
             with contextlib.suppress(Exception):
                 self.sched.abort(req)
         rids, self._owned = [*self._owned], {}
@@ -208,7 +209,7 @@ class Engine:
 
     def _publish(self) -> None:
         s, m = self.sched, self.metrics
-        self.snapshot = {"running": len(s.running), "waiting": len(s.waiting),
+        self.snapshot = {"running": s.admitted, "waiting": len(s.waiting),
                          "kv_pages_free": s.alloc.num_free, "kv_pages_total": s.alloc.capacity,
                          "preemptions": s.num_preemptions}
         for k in ("running", "kv_pages_free", "kv_pages_total"):
