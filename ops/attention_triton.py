@@ -15,23 +15,28 @@ Both return the output in fp32 and the natural-log LSE, so the caller merges the
 tree pass or the drafter's in-block pass (`ops.attention.merge_states`). The torch twins with
 the same signatures are in `ops.paged`.
 
-Design (split-KV, fixed grid, early exit):
+Design (split-KV by each row's live length, fixed grid, early exit):
 
 - Grid `(kv_heads * row_tiles, bs, num_splits)`, fixed by shapes only: `row_tiles =
-  cdiv(rows, BLOCK_M)`, and the table's token capacity `W * page_size` cut into `num_splits`
-  chunks of `chunk` tokens (a multiple of `BLOCK_N`). `num_splits` is chosen on the host from
-  shapes alone (enough programs to fill a GPU when `bs` is small), so one CUDA graph serves
-  every mix of lengths.
+  cdiv(rows, BLOCK_M)`, and `num_splits` chosen on the host from shapes alone (`kv_splits`:
+  enough programs to fill a GPU when `bs * row_tiles` is small, one when the rows fill it), so
+  one CUDA graph serves every mix of lengths.
+- Each row cuts its OWN live length `L = min(ctx_len[b], W * page_size)`, read on the device,
+  into the splits: `chunk = max(1, cdiv(cdiv(L, num_splits), BLOCK_N)) * BLOCK_N` tokens, so
+  the `cdiv(L, chunk)` live splits (at most `num_splits`) grow with the context whatever the
+  table's capacity (`split_chunk` is the host's mirror; `programs_with_work` counts them).
 - Program `(tile, b, s)` runs an online-softmax loop (base-2 exponentials, fp32 accumulators)
-  over key tiles of `BLOCK_N` tokens from `s * chunk` to `min((s + 1) * chunk, ctx_len[b])`:
-  each token's page comes from the page table and its slot is `page * page_size + pos %
+  over key tiles of `BLOCK_N` tokens from `s * chunk` to `min((s + 1) * chunk, L)`: each
+  token's page comes from the page table and its slot is `page * page_size + pos %
   page_size`, so pages need not be contiguous, partial pages and contexts ending anywhere are
-  masked loads, and no key past `ctx_len` is read. A split whose chunk starts at or past
-  `ctx_len` returns at once without touching memory; split 0 always writes (a zero-length
-  row writes output 0 and LSE -inf).
+  masked loads, and no key past `ctx_len` is read. A split whose chunk starts at or past `L`
+  returns at once without touching memory; split 0 always writes (a zero-length row writes
+  output 0 and LSE -inf).
 - With one split the kernel writes the final output. Otherwise it writes per-split partials
   `[S, bs, M, heads, DV]` (normalized) and LSEs, and `_merge_splits` (grid `(row_tiles, bs)`)
-  combines only the live splits `cdiv(ctx_len, chunk)` of each row by log-sum-exp.
+  combines only the live splits `cdiv(L, chunk)` of each row by log-sum-exp. The partials are
+  at most `MAX_PARTIAL_BYTES` (`num_splits` shrinks to fit; a prefill chunk of thousands of
+  query rows fills the GPU with one split and allocates no partials beyond its output).
 - Dots take the cache's dtype on a GPU (bf16/fp16 tiles, probabilities rounded to it, fp32
   accumulation); fp32 caches use IEEE fp32 dots, so fp32 runs match the torch twin tightly.
   Tiles are powers of two, `>= 16` on every `tl.dot` dimension, sized by `tile_config`
@@ -50,6 +55,7 @@ Graph-safe: no host sync, outputs and partials have shape-only sizes.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -62,9 +68,13 @@ from ops.triton_util import kernel_for as _kernel_for
 
 LOG2E = 1.4426950408889634
 # NOTE: about two waves of programs on a 132-SM H200; splits only add parallelism for small
-# batches and never exceed the number of key tiles in the table.
+# batches and never exceed the number of key tiles in the table. 64 splits give one query row
+# of one request (plain decoding at batch 1) 64 programs once its context is 64 key tiles long.
 TARGET_PROGRAMS = 264
-MAX_SPLITS = 32
+MAX_SPLITS = 64
+# NOTE: the per-split partials (fp32 outputs and LSEs) of one launch stay under this; a launch
+# with many query rows needs no splits to fill the GPU anyway.
+MAX_PARTIAL_BYTES = 16 << 20
 # NOTE: the kernels reduce with `tl.reduce` and these combine functions (what `tl.max` /
 # `tl.sum` reduce with) instead of calling those `@jit` functions, which the interpreter cannot
 # call unless triton was imported under `TRITON_INTERPRET=1` (`ops.triton_util`); it
@@ -79,7 +89,7 @@ def _paged_attn_fwd(
     qa_ptr, qb_ptr, kv_ptr, pt_ptr, len_ptr, o_ptr, lse_ptr,
     sqa_b, sqa_m, sqa_h, sqb_b, sqb_m, sqb_h,
     s_slot, s_pt_b, s_pt_w,
-    M, NH, W, BS, chunk, qk_scale,
+    M, NH, W, BS, num_splits, qk_scale,
     a_off, b_off, v_off, head_stride,
     G: tl.constexpr, PAGE_SIZE: tl.constexpr,
     DA: tl.constexpr, DB: tl.constexpr, DV: tl.constexpr,
@@ -93,7 +103,8 @@ def _paged_attn_fwd(
     `h = j * G + g`. Key columns of KV head `j` start at `a_off + j * head_stride` (`DA` wide)
     and, when `HAS_B`, `b_off` (`DB` wide, shared by all heads: MLA's `k_pe`); values at
     `v_off + j * head_stride` (`DV` wide), or the part-A tile itself when `V_IS_A`.
-    Output `o_ptr` is `[S, BS, M, NH, DV]` contiguous, `lse_ptr` `[S, BS, M, NH]`.
+    Output `o_ptr` is `[S, BS, M, NH, DV]` contiguous, `lse_ptr` `[S, BS, M, NH]`; the
+    row's length `L` is cut into `num_splits` chunks of `chunk` tokens (`split_chunk`).
     """
     pid = tl.program_id(0)
     b = tl.program_id(1)
@@ -104,6 +115,10 @@ def _paged_attn_fwd(
     tile = pid % row_tiles
 
     length = tl.minimum(tl.load(len_ptr + b).to(tl.int32), W * PAGE_SIZE)
+    # NOTE: the chunk follows this row's live length, not the table's capacity, so the live
+    # splits grow with the context while the grid stays fixed (`split_chunk` mirrors it).
+    chunk = tl.maximum((length + num_splits - 1) // num_splits + BLOCK_N - 1, BLOCK_N)
+    chunk = chunk // BLOCK_N * BLOCK_N
     lo = split * chunk
     hi = tl.minimum(lo + chunk, length)
     # NOTE: the early exit: a chunk past the row's length does nothing; split 0 always writes.
@@ -172,11 +187,12 @@ def _paged_attn_fwd(
 @triton.jit
 def _merge_splits(
     part_ptr, plse_ptr, len_ptr, o_ptr, lse_ptr,
-    ROWS, BS, cap, chunk,
+    ROWS, BS, cap, num_splits, block_n,
     DV: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
     """Log-sum-exp merge of the live splits of request `b`: partials `[S, BS, ROWS, DV]`,
-    `[S, BS, ROWS]` -> `o_ptr [BS, ROWS, DV]`, `lse_ptr [BS, ROWS]` (natural log)."""
+    `[S, BS, ROWS]` -> `o_ptr [BS, ROWS, DV]`, `lse_ptr [BS, ROWS]` (natural log). The live
+    splits are those `_paged_attn_fwd` gave work for the row's length (`split_chunk`)."""
     tile = tl.program_id(0)
     b = tl.program_id(1)
     r = tile * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -184,6 +200,8 @@ def _merge_splits(
     dv = tl.arange(0, BLOCK_DV)
     mask = r_ok[:, None] & (dv < DV)[None, :]
     length = tl.minimum(tl.load(len_ptr + b).to(tl.int32), cap)
+    chunk = tl.maximum((length + num_splits - 1) // num_splits + block_n - 1, block_n)
+    chunk = chunk // block_n * block_n
     n_live = tl.maximum((length + chunk - 1) // chunk, 1)
     b64 = b.to(tl.int64)
 
@@ -230,16 +248,70 @@ def tile_config(dtype: torch.dtype, dv: int) -> tuple[int, int, int]:
 
 
 def kv_splits(bs: int, programs_per_split: int, capacity: int, block_n: int,
-              num_splits: int | None = None) -> tuple[int, int]:
-    """`(num_splits, chunk)`: how the table's `capacity = W * page_size` tokens are cut, from
-    shapes only. `chunk` is a multiple of `block_n`; no split is empty at full capacity."""
+              num_splits: int | None = None, split_bytes: int = 0) -> int:
+    """The grid's split count, from shapes only: enough splits that `bs * programs_per_split`
+    programs per split reach `TARGET_PROGRAMS` (at most `MAX_SPLITS`), or `num_splits` when
+    given; never more than the key tiles of the table's `capacity = W * page_size` tokens, nor
+    (unless given) more than fit `MAX_PARTIAL_BYTES` at `split_bytes` of partials per split."""
     tiles = max(1, -(-capacity // block_n))
     if num_splits is None:
         num_splits = -(-TARGET_PROGRAMS // max(1, bs * programs_per_split))
-        num_splits = min(num_splits, MAX_SPLITS)
-    num_splits = max(1, min(num_splits, tiles))
-    per = -(-tiles // num_splits)
-    return -(-tiles // per), per * block_n
+        num_splits = min(num_splits, MAX_SPLITS, MAX_PARTIAL_BYTES // max(1, split_bytes))
+    return max(1, min(num_splits, tiles))
+
+
+def split_chunk(length: int, num_splits: int, block_n: int) -> int:
+    """Tokens per split of a row whose live length is `length` (what the kernels compute on the
+    device): `cdiv(length, num_splits)` rounded up to a whole `block_n`, at least one; the row's
+    live splits are `cdiv(length, chunk) <= num_splits`."""
+    per = -(-max(length, 0) // num_splits)
+    return max(1, -(-per // block_n)) * block_n
+
+
+def _launch_shape(bs: int, rows: int, heads: int, capacity: int, dtype: torch.dtype, *,
+                  kv_heads: int, dv: int, num_splits: int | None, block_n: int | None
+                  ) -> tuple[int, int, int]:
+    """`(row_tiles, num_splits, BLOCK_N)` of a launch over `bs` requests of `rows`
+    query rows and `heads` query heads (`kv_heads` KV heads), values `dv` wide, in a cache of
+    `dtype` whose page table covers `capacity` tokens (shared by the launcher and
+    `programs_with_work`)."""
+    if heads % kv_heads:
+        raise ValueError(f"{heads} query heads do not split into {kv_heads} KV heads")
+    bm_max, bn, _ = tile_config(dtype, dv)
+    block_n = block_n or bn
+    per_kv_head = rows * (heads // kv_heads)  # the kernel's `M * G`
+    row_tiles = -(-per_kv_head // pow2_tile(per_kv_head, hi=bm_max))
+    split_bytes = bs * rows * heads * (dv + 1) * 4
+    S = kv_splits(bs, kv_heads * row_tiles, capacity, block_n, num_splits, split_bytes)
+    return row_tiles, S, block_n
+
+
+def programs_with_work(
+    bs: int, rows: int, heads: int, ctx_len: Sequence[int], width: int, page_size: int,
+    dtype: torch.dtype, *, kv_heads: int, dv: int, num_splits: int | None = None,
+    block_n: int | None = None,
+) -> int:
+    """How many programs of one forward launch read keys (pure Python, no GPU needed).
+
+    The launch covers `bs` requests of `rows` query rows each (MLA: tree queries `Q`; the
+    drafter: block rows `M`) and `heads` query heads per rank, `kv_heads` KV heads (MLA: 1;
+    the drafter: its KV heads per rank), values `dv` wide (MLA: `kv_lora_rank`; the drafter:
+    `head_dim`), a cache of `dtype`, a page table `width` pages of `page_size` tokens wide.
+    `ctx_len` lists the rows' live lengths (rows past its end are padding, length 0). Each
+    request has `kv_heads * row_tiles` programs per live split, `cdiv(L, chunk)` live splits
+    (`split_chunk`); a zero-length row's one program writes an empty result and reads nothing.
+    `num_splits` / `block_n` as the launchers' test knobs. The grid itself is
+    `kv_heads * row_tiles * bs * num_splits` programs whatever the lengths."""
+    if len(ctx_len) > bs:
+        raise ValueError(f"{len(ctx_len)} lengths for a batch of {bs}")
+    capacity = width * page_size
+    row_tiles, S, bn = _launch_shape(bs, rows, heads, capacity, dtype, kv_heads=kv_heads,
+                                        dv=dv, num_splits=num_splits, block_n=block_n)
+    live = 0
+    for n in ctx_len:
+        n = min(max(n, 0), capacity)
+        live += -(-n // split_chunk(n, S, bn))
+    return kv_heads * row_tiles * live
 
 
 def fwd_meta(
@@ -271,7 +343,8 @@ def _paged_attention(
     head_stride: int, dv: int, v_is_a: bool, num_splits: int | None, block_n: int | None,
 ) -> tuple[Tensor, Tensor]:
     """Shared launcher: `qa [bs, M, NH, DA]`, optional `qb [bs, M, NH, DB]` -> output
-    `[bs, M, NH, dv]` fp32 and LSE `[bs, M, NH]` fp32 (natural log)."""
+    `[bs, M, NH, dv]` fp32 and LSE `[bs, M, NH]` fp32 (natural log). Beyond those it
+    allocates only the split partials, `S * bs * M * NH * (dv + 1)` fp32 when `S > 1`."""
     bs, M, NH, DA = qa.shape
     if qa.stride(-1) != 1:
         qa = qa.contiguous()
@@ -284,16 +357,15 @@ def _paged_attention(
         raise TypeError(f"page_table must be int32 or int64, got {page_table.dtype}")
     if ctx_len.dtype not in (torch.int32, torch.int64):
         raise TypeError(f"ctx_len must be int32 or int64, got {ctx_len.dtype}")
-    if NH % kv_heads:
-        raise ValueError(f"{NH} query heads do not split into {kv_heads} KV heads")
-    G = NH // kv_heads
     W = page_table.shape[1]
+    row_tiles, S, block_n = _launch_shape(
+        bs, M, NH, W * page_size, cache.dtype, kv_heads=kv_heads, dv=dv, num_splits=num_splits,
+        block_n=block_n)
+    G = NH // kv_heads
     dev = qa.device
     meta, warps = fwd_meta(cache.dtype, dev.type, rows=M * G, group=G, page_size=page_size,
                            da=DA, db=qb.shape[-1] if qb is not None else 0, dv=dv,
                            v_is_a=v_is_a, block_n=block_n)
-    row_tiles = -(-(M * G) // meta["BLOCK_M"])
-    S, chunk = kv_splits(bs, kv_heads * row_tiles, W * page_size, meta["BLOCK_N"], num_splits)
     part = torch.empty(S, bs, M, NH, dv, dtype=torch.float32, device=dev)
     plse = torch.empty(S, bs, M, NH, dtype=torch.float32, device=dev)
     qb_ = qb if qb is not None else qa
@@ -301,7 +373,7 @@ def _paged_attention(
         qa, qb_, cache, page_table, ctx_len, part, plse,
         qa.stride(0), qa.stride(1), qa.stride(2), qb_.stride(0), qb_.stride(1), qb_.stride(2),
         cache.stride(0), page_table.stride(0), page_table.stride(1),
-        M, NH, W, bs, chunk, scale * LOG2E,
+        M, NH, W, bs, S, scale * LOG2E,
         a_off, b_off, v_off, head_stride, **meta, num_warps=warps)
     if S == 1:
         return part[0], plse[0]
@@ -311,7 +383,7 @@ def _paged_attention(
     block_dv = meta["BLOCK_DV"]
     block_r = pow2_tile(rows, 1, min(4096 // block_dv, 64))
     _kernel_for(_merge_splits, dev)[(triton.cdiv(rows, block_r), bs)](
-        part, plse, ctx_len, out, lse, rows, bs, W * page_size, chunk,
+        part, plse, ctx_len, out, lse, rows, bs, W * page_size, S, block_n,
         DV=dv, BLOCK_R=block_r, BLOCK_DV=block_dv, num_warps=4)
     return out, lse
 

@@ -18,7 +18,13 @@ import torch
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn value
 
-_NIBBLE_SHIFTS = tuple(range(0, 32, 4))
+
+def _nibble_shifts(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """`[0, 4, .., 28]`, the bit offset of each of a word's eight values, made on `device`.
+
+    NOTE: `arange` fills it on the device; `torch.tensor` of a Python tuple would copy it from
+    pageable host memory on every call (a sync on CUDA, and not allowed in graph capture)."""
+    return torch.arange(0, 32, 4, dtype=dtype, device=device)
 
 
 def _expand_cols(scale: torch.Tensor, group: int, cols: int) -> torch.Tensor:
@@ -35,14 +41,15 @@ def dequant_int4(
 ) -> torch.Tensor:
     """Unpack `packed` [out, ceil(in/8)] int32 with `scale` [out, ceil(in/group)] to [out, in].
 
-    The product is formed in fp32 and cast to `dtype` once.
+    The product is formed in fp32 and cast to `dtype` once. With `shape` a tuple it reads
+    nothing on the host (a checkpoint's `weight_shape` tensor is read once, at load).
     """
     if isinstance(shape, torch.Tensor):
         shape = tuple(int(x) for x in shape.tolist())
     out_f, in_f = int(shape[0]), int(shape[1])
     if packed.dtype != torch.int32:
         raise TypeError(f"weight_packed must be int32, got {packed.dtype}")
-    shifts = torch.tensor(_NIBBLE_SHIFTS, dtype=torch.int32, device=packed.device)
+    shifts = _nibble_shifts(torch.int32, packed.device)
     # NOTE: >> on int32 is arithmetic, so a word with its top bit set (a negative int32) gets
     # sign bits shifted in from the left; masking with 0xF keeps only the four bits that were at
     # 4i..4i+3, which is all we want, so negative words decode correctly.
@@ -79,7 +86,7 @@ def pack_int4(
     n_words = -(-in_f // 8)
     codes = torch.full((out_f, n_words * 8), 8, dtype=torch.int64, device=w.device)
     codes[:, :in_f] = q
-    shifts = torch.tensor(_NIBBLE_SHIFTS, dtype=torch.int64, device=w.device)
+    shifts = _nibble_shifts(torch.int64, w.device)
     words = (codes.view(out_f, n_words, 8) << shifts).sum(dim=-1)  # in [0, 2^32)
     # Reinterpret the unsigned 32-bit word as two's-complement int32.
     words = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)

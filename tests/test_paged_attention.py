@@ -57,10 +57,11 @@ def _paged_case(ctx: list[int], width: int, page_size: int, table_width: int,
                 dtype: torch.dtype = torch.float32, seed: int = 0,
                 index_dtype: torch.dtype = torch.int64):
     """A cache `[num_slots, width]` with shuffled, non-contiguous pages per row (dummy page 0
-    past each row's live pages), the page table `[bs, W]` and `ctx_len [bs]`."""
+    past each row's live pages), the page table `[bs, W]` and `ctx_len [bs]`. The cache holds
+    only the live pages and 3 unused ones, so a table may be far wider than the cache."""
     g = torch.Generator().manual_seed(seed)
     bs = len(ctx)
-    num_pages = 1 + bs * table_width + 3
+    num_pages = 1 + sum(pages_needed(n, page_size) for n in ctx) + 3
     cache = torch.randn(num_pages * page_size, width, generator=g).to(dtype)
     perm = (torch.randperm(num_pages - 1, generator=g) + 1).tolist()
     table = torch.zeros(bs, table_width, dtype=torch.int64)
@@ -174,10 +175,16 @@ def test_pages_needed_and_splits():
         return
     for bs, progs, cap, bn, want in [(1, 1, 4096, 32, None), (64, 8, 4096, 32, None),
                                      (1, 1, 24, 64, None), (2, 3, 1000, 32, 5)]:
-        S, chunk = at.kv_splits(bs, progs, cap, bn, want)
-        assert chunk % bn == 0 and S * chunk >= cap and (S - 1) * chunk < cap
-        assert 1 <= S <= at.MAX_SPLITS
-    assert at.kv_splits(64, 8, 4096, 32)[0] == 1  # a big batch needs no split
+        S = at.kv_splits(bs, progs, cap, bn, want)
+        assert 1 <= S <= min(at.MAX_SPLITS, -(-cap // bn))
+    assert at.kv_splits(1, 1, 4096, 32) == at.MAX_SPLITS
+    assert at.kv_splits(64, 8, 4096, 32) == 1  # a big batch needs no split
+    assert at.kv_splits(1, 1, 1 << 18, 32, split_bytes=at.MAX_PARTIAL_BYTES // 4) == 4
+    for S in (1, 3, 64):
+        for n in (0, 1, 31, 32, 33, 100, 4096, 262144):
+            chunk = at.split_chunk(n, S, 32)
+            assert chunk % 32 == 0 and chunk >= 32 and -(-n // chunk) <= S
+            assert S * chunk >= n and (chunk == 32 or S * (chunk - 32) < n)
 
 
 # --- the MLA prefix kernel --------------------------------------------------------------------
@@ -249,10 +256,11 @@ def test_mla_kernel_at_kimi_rank_sizes(device, dtype):
 
 class _Recorder:
     """Stands in for `_kernel_for`: fills the per-split partial buffers with NaN before each
-    forward launch and keeps them, so a test can see which programs wrote."""
+    forward launch and keeps them (with the launch's arguments and grid), so a test can see
+    which programs wrote."""
 
     def __init__(self, real):
-        self.real, self.partials = real, []
+        self.real, self.partials, self.launches = real, [], []
 
     def __call__(self, kernel, device):
         launcher = self.real(kernel, device)
@@ -267,6 +275,7 @@ class _Recorder:
                     args[6].fill_(float("nan"))
                     launcher[grid](*args, **kwargs)
                     rec.partials.append((args[5].clone(), args[6].clone(), args))
+                    rec.launches.append((grid, kwargs))
                 return run
         return _Grid()
 
@@ -287,10 +296,9 @@ def test_mla_kernel_reads_and_writes_only_live_pages(monkeypatch):
     torch.testing.assert_close(o, o_ref, **FP32)
     torch.testing.assert_close(lse, lse_ref, **FP32)
     (part, plse, args), = rec.partials
-    chunk = args[20]
-    assert plse.shape[0] == 3 and chunk == 16  # 48 positions in 16-token chunks
+    assert plse.shape[0] == 3
     for b, n in enumerate(lens):
-        live = max(1, -(-n // chunk))
+        live = max(1, -(-n // at.split_chunk(n, 3, 16)))
         assert not plse[:live, b].isnan().any()
         assert plse[live:, b].isnan().all() and part[live:, b].isnan().all()
 
@@ -331,6 +339,137 @@ def test_draft_kernel_bf16_at_kimi_drafter_rank_sizes(device):
     o, lse = at.draft_context_attention(q, poisoned, table, ctx, ps, hd ** -0.5)
     torch.testing.assert_close(o, o_ref, **BF16)
     torch.testing.assert_close(lse, lse_ref, **BF16)
+
+
+# --- splits follow each row's live length ---------------------------------------------------
+
+# Kimi K2.5 per rank at TP 8: 8 MLA heads, kv_lora_rank 512, rope 64; its DFlash drafter
+# (64 query heads, 8 KV heads, head_dim 128, block 8) has 8 query heads and 1 KV head per rank.
+KIMI_MLA = dict(heads=8, kv_heads=1, dv=512)
+KIMI_DRAFT = dict(heads=8, kv_heads=1, dv=128)
+LONG_TABLE, KIMI_PS = 262144, 16
+
+
+def _wrote(plse: torch.Tensor, kwargs: dict, kv_heads: int) -> torch.Tensor:
+    """`[S, bs]`: how many of a launch's `(KV head, row tile)` programs wrote partials per
+    split and row (their first row's LSE is no longer NaN)."""
+    _, _, M, NH = plse.shape
+    G, bm = kwargs["G"], kwargs["BLOCK_M"]
+    first = torch.arange(0, M * G, bm)
+    m = first // G
+    h = (torch.arange(kv_heads)[:, None] * G + first % G).flatten()
+    m = m.repeat(kv_heads)
+    return (~plse[:, :, m, h].isnan()).sum(-1)
+
+
+@needs_triton
+def test_programs_with_work_follow_the_live_context():
+    """Batch 1, a 4,096-token context in a 262,144-token table: both kernels have at least 64
+    programs with work at Kimi's per-rank sizes (the table's capacity cut into splits left
+    one to five), growing with the context; a prefill chunk of 4,096 queries takes one split."""
+    W_long = LONG_TABLE // KIMI_PS
+
+    def work(kernel: dict, rows: int, ctx: list[int]) -> int:
+        return at.programs_with_work(len(ctx), rows, kernel["heads"], ctx, W_long, KIMI_PS,
+                                     torch.bfloat16, kv_heads=kernel["kv_heads"],
+                                     dv=kernel["dv"])
+
+    for rows in (1, 5, 9):  # plain decoding, tree budgets 4 and 8
+        assert work(KIMI_MLA, rows, [4096]) >= 64
+    for rows in (1, 4, 8):
+        assert work(KIMI_DRAFT, rows, [4096]) >= 64
+    lens = [0, 1, 32, 100, 1000, 4096, 65536, LONG_TABLE]
+    counts = [work(KIMI_MLA, 1, [n]) for n in lens]
+    assert counts[0] == 0 and counts[1] == 1 and counts == sorted(counts)
+    assert counts[-1] == at.MAX_SPLITS
+    assert work(KIMI_MLA, 1, [0, 4096, 1]) == work(KIMI_MLA, 1, [4096]) + 1 > 64
+    # a prefill chunk of 4,096 tokens: its rows fill the GPU, one split, no partials
+    row_tiles, S, _ = at._launch_shape(1, 4096, 8, LONG_TABLE, torch.bfloat16, kv_heads=1,
+                                       dv=512, num_splits=None, block_n=None)
+    assert S == 1 and row_tiles * 32 == 4096 * 8
+    for q in (16, 64, 256, 1024):
+        _, S, _ = at._launch_shape(1, q, 8, LONG_TABLE, torch.bfloat16, kv_heads=1, dv=512,
+                                   num_splits=None, block_n=None)
+        assert S == 1 or S * q * 8 * 513 * 4 <= at.MAX_PARTIAL_BYTES
+
+
+@needs_triton
+@pytest.mark.parametrize("kernel", ["mla", "draft"])
+def test_kimi_sizes_long_table_grid_has_the_counted_work(monkeypatch, kernel):
+    """At Kimi's per-rank sizes (bf16), batch 1, a 4,096-token context in a 262,144-token
+    table: the programs that wrote partials are `programs_with_work`'s count (at least 64),
+    and the result is the twin's over the live pages."""
+    ctx_list, rows = [4096], (1 if kernel == "mla" else 8)
+    W_long = LONG_TABLE // KIMI_PS
+    live_w = pages_needed(ctx_list[0], KIMI_PS)
+    if kernel == "mla":
+        R, P, H = 512, 64, KIMI_MLA["heads"]
+        cache, table, ctx = _paged_case(ctx_list, R + P, KIMI_PS, W_long, torch.bfloat16, 13)
+        q = _mla_queries(1, rows, H, R, P, torch.bfloat16, seed=14)
+        run, twin, dims = at.mla_prefix_attention, paged.mla_prefix_attention, KIMI_MLA
+        scale = 192 ** -0.5
+    else:
+        hd, nh = 128, KIMI_DRAFT["heads"]
+        cache, table, ctx = _paged_case(ctx_list, 2 * hd, KIMI_PS, W_long, torch.bfloat16, 15)
+        q = (torch.randn(1, rows, nh, hd, generator=torch.Generator().manual_seed(16))
+             .bfloat16(),)
+        run, twin, dims = at.draft_context_attention, paged.draft_context_attention, KIMI_DRAFT
+        scale = hd ** -0.5
+    rec = _Recorder(at._kernel_for)
+    monkeypatch.setattr(at, "_kernel_for", rec)
+    o, lse = run(*q, cache, table, ctx, KIMI_PS, scale)
+    (_, plse, _), = rec.partials
+    (grid, kwargs), = rec.launches
+    want = at.programs_with_work(1, rows, dims["heads"], ctx_list, W_long, KIMI_PS,
+                                 torch.bfloat16, kv_heads=dims["kv_heads"], dv=dims["dv"])
+    assert grid[2] == plse.shape[0] == at.MAX_SPLITS
+    assert int(_wrote(plse, kwargs, dims["kv_heads"]).sum()) == want >= 64
+    o_ref, lse_ref = twin(*q, cache, table[:, :live_w], ctx, KIMI_PS, scale)
+    torch.testing.assert_close(o, o_ref, **BF16)
+    torch.testing.assert_close(lse, lse_ref, **BF16)
+
+
+@needs_triton
+@pytest.mark.parametrize("num_splits", [3, None], ids=["three_splits", "auto"])
+@pytest.mark.parametrize("kernel", ["mla", "draft"])
+def test_kernels_split_by_live_length_equal_twins(monkeypatch, kernel, num_splits):
+    """Short, page-aligned, long and empty rows in one batch of a table far wider than any of
+    them: each row's work is cut by its own length (chunks of many key tiles with three
+    splits, of one or two with the automatic count), the partials that wrote are the counted
+    ones, and the results are the twins'."""
+    lens, ps, width, bn = [3, 48, 1000, 0], 16, 256, 16
+    rec = _Recorder(at._kernel_for)
+    monkeypatch.setattr(at, "_kernel_for", rec)
+    if kernel == "mla":
+        R, P, H, rows, kvh, dv = 32, 16, 4, 2, 1, 32
+        cache, table, ctx = _paged_case(lens, R + P, ps, width, seed=17)
+        q = _mla_queries(len(lens), rows, H, R, P, torch.float32, seed=18)
+        run, twin = at.mla_prefix_attention, paged.mla_prefix_attention
+    else:
+        H, kvh, dv, rows = 4, 2, 16, 3
+        cache, table, ctx = _paged_case(lens, 2 * kvh * dv, ps, width, seed=19)
+        q = (torch.randn(len(lens), rows, H, dv, generator=torch.Generator().manual_seed(20)),)
+        run, twin = at.draft_context_attention, paged.draft_context_attention
+    o, lse = run(*q, cache, table, ctx, ps, 0.3, num_splits=num_splits, block_n=bn)
+    o_ref, lse_ref = twin(*q, cache, table, ctx, ps, 0.3)
+    torch.testing.assert_close(o, o_ref, **FP32)
+    torch.testing.assert_close(lse, lse_ref, **FP32)
+    (_, plse, _), = rec.partials
+    (grid, kwargs), = rec.launches
+    S = grid[2]
+    auto = at._launch_shape(len(lens), rows, H, width * ps, torch.float32, kv_heads=kvh, dv=dv,
+                            num_splits=None, block_n=bn)[1]
+    assert S == (num_splits or auto) and auto > 3
+    wrote = _wrote(plse, kwargs, kvh)
+    per_row = wrote.sum(0).tolist()
+    for b, n in enumerate(lens):
+        work = at.programs_with_work(1, rows, H, [n], width, ps, torch.float32, kv_heads=kvh,
+                                     dv=dv, num_splits=S, block_n=bn)
+        # a zero-length row's split 0 writes its empty result and reads nothing
+        assert per_row[b] == (work if n else int(wrote[0, b]))
+    chunk = at.split_chunk(1000, S, bn)
+    assert chunk <= 2 * bn if num_splits is None else chunk > 20 * bn
+    assert per_row[2] == wrote[0, 2] * -(-1000 // chunk)
 
 
 # --- interpreter robustness and GPU block shapes, in fresh processes --------------------------

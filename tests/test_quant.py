@@ -2,7 +2,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
+from engine.models.layers import ExpertBank
+from ops.moe import experts_aligned_w4a16
 from ops.quant import dequant_fp8_block, dequant_int4, pack_int4, quantize_fp8_block
 
 
@@ -116,3 +120,48 @@ def test_quantize_fp8_block_roundtrip() -> None:
     # e4m3 keeps 3 mantissa bits (relative error <= 1/16); near zero, subnormal spacing 2^-9.
     assert torch.all((back - w).abs() <= w.abs() / 16 + step * 2**-9)
     assert back[128:, :128].abs().max() == w[128:, :128].abs().max()  # amax maps to 448 exactly
+
+
+class _HostData(TorchDispatchMode):
+    """Under `FakeTensorMode`, records each op that takes a real (not fake) tensor: data built
+    on the host (`torch.tensor` of a Python list), which a GPU run copies in on every call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        leaves = [*args, *kwargs.values()]
+        if any(isinstance(t, torch.Tensor) and not isinstance(t, FakeTensor) for t in leaves):
+            self.ops.append(str(func))
+        return func(*args, **kwargs)
+
+
+def test_host_data_detector_sees_a_host_built_constant() -> None:
+    with FakeTensorMode(), _HostData() as host:
+        x = torch.zeros(4, dtype=torch.int32)
+        _ = x >> torch.tensor((0, 4, 8, 12), dtype=torch.int32)
+    assert host.ops
+
+
+@pytest.mark.parametrize("tokens", [1, 999, 8192])
+def test_aligned_int4_expert_pass_needs_nothing_from_the_host(tokens: int) -> None:
+    """The aligned expert pass over an INT4 bank (the step's, and prefill's off the CPU) at any
+    token count (a prefill chunk of 8192, odd sizes): on fake tensors, which refuse host syncs
+    and data-dependent shapes, through the bank (`kimi::moe_experts_w4a16`), its torch twin
+    and the per-expert dequantization, with no constant built on the host."""
+    E, H, inter, k = 8, 64, 32, 4
+    with FakeTensorMode(), _HostData() as host:
+        bank = ExpertBank(E, H, inter, fmt="int4")
+        x = torch.randn(tokens, H, dtype=torch.bfloat16)
+        idx, w = torch.randint(0, E, (tokens, k)), torch.rand(tokens, k)
+        y = bank(x, idx, w, mode="aligned")
+        twin = experts_aligned_w4a16(x, idx, w, bank.w13_packed, bank.w13_scale,
+                                     bank.w2_packed, bank.w2_scale, bank.group)
+        w13, w2 = bank.weights(idx[0], torch.bfloat16)
+        whole = dequant_int4(bank.w2_packed[0], bank.w2_scale[0], (H, inter))
+    assert y.shape == twin.shape == (tokens, H) and y.dtype == twin.dtype == torch.bfloat16
+    assert w13.shape == (k, 2 * inter, H) and w2.shape == (k, H, inter)
+    assert whole.shape == (H, inter) and whole.dtype == torch.float32
+    assert host.ops == []
