@@ -1,8 +1,8 @@
 """Every model call goes through the runner: prefills, and the spec step for a batch, with
 static buffers per batch size, padding rows on the dummy page, one CUDA graph per (batch size,
-step kind) on a GPU, the CPU's compiled steps when asked (`compile`: `engine.cpu`, called
-through the same two calls as graph capture, `build` and `run`), and the same step eagerly
-otherwise.
+step kind, sampling variant: `SAMPLING_VARIANTS`) on a GPU, the CPU's compiled steps when asked
+(`compile`: `engine.cpu`, called through the same two calls as graph capture, `build` and
+`run`), and the same step eagerly otherwise.
 
 It takes host values (`StepInputs`, `PrefillInputs`), never requests, and knows nothing of what
 is inside the step: it copies the inputs into the buffers (through one pinned staging copy per
@@ -37,10 +37,9 @@ from engine.spec import (
     catch_up,
     prefill,
     prefill_chunk,
-    sparse_pass,
     spec_step,
 )
-from ops.sampling import row_promises, sample_from_probs, target_probs
+from ops.sampling import TOPK_BOUND, row_promises, sample_from_probs, target_probs
 
 # A step is "greedy" (no row samples), "sampled" (most rows sample: the sampled budget) or
 # "mixed" (half the rows or fewer sample: the sampling decide over the greedy budget's tree, since
@@ -49,6 +48,17 @@ from ops.sampling import row_promises, sample_from_probs, target_probs
 # costs a forward over the lag, more than a sampled tree wins back where it is chosen.
 # Kinds whose shapes agree share one graph.
 KINDS = ("greedy", "mixed", "sampled", "lagging")
+# A sampled shape is captured once per sampling variant, and each step replays the cheapest one
+# its rows' `(top_k, top_p)` allow (`sampling_variant`, on the host): "plain" when no row
+# truncates beyond top-k 1 (untruncated rows keep the tempered softmax, greedy and padding rows
+# take an argmax: no topk, no sort); "bounded" when every truncating row cuts inside
+# `ops.sampling.TOPK_BOUND` candidates (one topk, always exact: a top-k within the bound);
+# "sort" when some row may need the whole vocabulary sorted (top-p without a top-k inside the
+# bound, or a top-k past it; the graph takes the bounded cut where it is exact and the sort's
+# elsewhere by `torch.where`). So one batch size captures one greedy graph and three per
+# distinct sampled shape: 4 without a budget policy, at most 10 with one (mixed, sampled and
+# lagging budgets all different).
+SAMPLING_VARIANTS = ("plain", "bounded", "sort")
 
 
 @dataclass
@@ -150,12 +160,14 @@ class StepGraphRunner:
             raise ValueError("compile is the CPU's step graph; on CUDA the runner captures graphs")
         self.threads = threads or torch.get_num_threads()
         self.compiled = CompiledCPUSteps(models, self.pool, self.threads) if compile else None
-        # How the target's expert banks run a forward of n tokens: the fixed-shape pass a CUDA
-        # graph needs, the compiled CPU step's choice, or eagerly each token through its chosen
-        # experts (on the CPU, every expert where that costs less); eager forwards beside
-        # graphs (prefills, catch-ups) take the eager pass.
+        # How the target's expert banks run a forward of n tokens: the fixed-shape aligned pass
+        # a CUDA graph needs, the compiled CPU step's choice, or on the CPU eagerly each token
+        # through its chosen experts (every expert where that costs less); eager forwards
+        # beside graphs (prefills, catch-ups) take the eager pass. NOTE: off the CPU that is
+        # the aligned pass too: grouped Triton expert GEMMs at any token count, where the
+        # sparse pass reads the routing on the host and loops over experts in Python.
         cpu = self.device.type == "cpu"
-        self.eager_pass: ExpertPass = eager_expert_pass(models.target) if cpu else sparse_pass
+        self.eager_pass: ExpertPass = eager_expert_pass(models.target) if cpu else _aligned_pass
         self.expert_pass: ExpertPass = (
             _aligned_pass if self.use_graphs else
             self.compiled.expert_pass if self.compiled is not None else self.eager_pass)
@@ -187,8 +199,14 @@ class StepGraphRunner:
         self.capture_stats: dict[tuple[int, StepShape], dict[str, float]] = {}
 
     def shapes_of(self, bs: int) -> list[StepShape]:
-        """The distinct step shapes of one batch size (one graph each)."""
-        return list(dict.fromkeys(self.shapes[(bs, kind)] for kind in KINDS))
+        """The distinct step shapes of one batch size (one graph each): with graphs, every
+        sampled shape once per sampling variant (`SAMPLING_VARIANTS`)."""
+        shapes = dict.fromkeys(self.shapes[(bs, kind)] for kind in KINDS)
+        if self.use_graphs:
+            shapes = dict.fromkeys(
+                replace(s, **variant_promises(v, bs)) if s.sample else s
+                for s in shapes for v in SAMPLING_VARIANTS)
+        return list(shapes)
 
     @property
     def shape(self) -> StepShape:
@@ -373,14 +391,19 @@ class StepGraphRunner:
         fixed = self.use_graphs or self.compiled is not None  # a graph runs its whole size
         buf = self.buffers[size].rows(size if (pad or fixed) else b).fit(shape)
         cuts = [_cut(x) for x in inp.params]
-        if shape.sample and not self.use_graphs:
+        if shape.sample:
             # Truncate only the rows that ask for it, and sort the vocabulary only for rows
             # whose cut may not fit in a bounded top-k (eagerly, only when it does not); a
-            # compiled step promises for every row or none, so few variants exist.
+            # compiled step promises for every row or none, so few variants exist; a graph
+            # replays its captured sampling variant.
             vocab = self.models.target.cfg.vocab_size
-            promise = row_promises(cuts, vocab)
-            if self.compiled is not None:
-                promise = {k: size if v and k != "filtered" else v for k, v in promise.items()}
+            if self.use_graphs:
+                promise = variant_promises(sampling_variant(cuts, vocab), size)
+            else:
+                promise = row_promises(cuts, vocab)
+                if self.compiled is not None:
+                    promise = {k: size if v and k != "filtered" else v
+                               for k, v in promise.items()}
             shape = replace(shape, **promise)
         if not fixed:
             shape = replace(shape, host_reads=True)
@@ -453,6 +476,23 @@ class StepGraphRunner:
         accept = out[:, 0].tolist()
         emit = out[:, 1:].tolist()
         return [e[: a + 1] for e, a in zip(emit, accept)], accept
+
+
+def sampling_variant(cuts: Sequence[tuple[int, float]], vocab: int, bound: int = TOPK_BOUND
+                     ) -> str:
+    """The cheapest of `SAMPLING_VARIANTS` exact for rows of these `(top_k, top_p)` (greedy:
+    top-k 1; padding rows are greedy and need no entry) at the sampler's `bound`."""
+    promise = row_promises(cuts, vocab, bound)
+    return "sort" if promise["sort_rows"] else "bounded" if promise["topk_rows"] else "plain"
+
+
+def variant_promises(variant: str, size: int) -> dict[str, Any]:
+    """The `StepShape` promises a sampled graph of `size` rows is captured with in `variant`
+    (`ops.sampling.target_probs`: every row or none takes each path, so no row is gathered)."""
+    if variant not in SAMPLING_VARIANTS:
+        raise ValueError(f"sampling variant must be one of {SAMPLING_VARIANTS}, got {variant!r}")
+    return {"filtered": True, "topk_rows": 0 if variant == "plain" else size,
+            "sort_rows": size if variant == "sort" else 0}
 
 
 def _aligned_pass(n: int) -> str:

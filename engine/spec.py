@@ -38,10 +38,11 @@ class StepShape:
     block_size: int  # drafter block (anchor + L drafts); unused in ar mode
     sample: bool  # tree sampling (True) or the greedy walk (False)
     # Some row may use top-k/top-p (sampling only). False skips the vocabulary sort; a captured
-    # sampling graph keeps True, which serves every mix of rows.
+    # sampling graph keeps True (its greedy and padding rows are top-k 1).
     filtered: bool = True
-    # Rows that truncate and rows that may need the full vocabulary sort (counts from
-    # `ops.sampling.row_path`, eager only); None: every row, which a captured graph needs.
+    # Rows that truncate and rows that may need the full vocabulary sort (eager: counts from
+    # `ops.sampling.row_path`; a captured or compiled graph: 0 or every row, its sampling
+    # variant, `engine.runner.SAMPLING_VARIANTS`); None: every row, which serves any mix.
     topk_rows: int | None = None
     sort_rows: int | None = None
     # Eager only: the step may read the device on the host. It then builds the tree there

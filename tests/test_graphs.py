@@ -193,9 +193,11 @@ def test_capture_order_and_stats_with_a_stub(models, monkeypatch):
     monkeypatch.setattr(runner, "_new_pool", lambda: "pool")
     monkeypatch.setattr(runner, "_capture_one", lambda bs, s, p: order.append((bs, s, p)))
     runner.capture(progress=False)
-    # ar: the mixed and sampled kinds share one shape, so two graphs per size
-    assert [(bs, s.sample) for bs, s, _ in order] == [(4, False), (4, True), (2, False),
-                                                      (2, True), (1, False), (1, True)]
+    # ar: the mixed and sampled kinds share one shape, captured in each sampling variant
+    # (plain, bounded, sort): four graphs per size
+    assert [(bs, s.sample, s.topk_rows, s.sort_rows) for bs, s, _ in order] == [
+        (bs, *kind) for bs in (4, 2, 1)
+        for kind in ((False, None, None), (True, 0, 0), (True, bs, 0), (True, bs, bs))]
     assert {p for *_, p in order} == {"pool"}, "one shared memory pool"
     assert set(runner.capture_stats) == {(bs, s) for bs, s, _ in order}
 

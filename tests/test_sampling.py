@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
+from dataclasses import replace
 
 import numpy as np
 import pytest
 import torch
 from scipy import stats
 from torch import Tensor
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import ops.sampling
 from ops.sampling import (
@@ -489,3 +493,98 @@ def test_bounded_path_runs_on_fake_tensors() -> None:
     logits = torch.randn(3, 300, generator=g)
     out = run_on_fake(target_probs, logits, torch.ones(3), args[2][:3], args[3][:3])
     assert tuple(out.shape) == (3, 300)
+
+
+# --- the captured sampling variants -------------------------------------------------------------
+
+
+class _VocabSorts(TorchDispatchMode):
+    """Records `(phase, op)` for every sort, argsort and topk over a `vocab`-wide last dim;
+    `phase` is the step phase the timer last entered (`spec_step`'s `timer`)."""
+
+    def __init__(self, vocab: int):
+        super().__init__()
+        self.vocab, self.phase, self.calls = vocab, "", []
+
+    @contextlib.contextmanager
+    def timer(self, name: str) -> Iterator[None]:
+        self.phase = name
+        yield
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if name in ("sort", "argsort", "topk") and args[0].shape[-1] == self.vocab:
+            self.calls.append((self.phase, name))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.fixture(scope="module")
+def tiny_models(tmp_path_factory):
+    from tests.graph_helpers import load_models, write_pair
+
+    return load_models(*write_pair(tmp_path_factory.mktemp("sampling")))
+
+
+def test_variant_promises_are_exact_for_the_rows_that_pick_them() -> None:
+    """A batch's sampling variant (`engine.runner.sampling_variant`), captured as every row or
+    none (`variant_promises`), gives each row the reference distribution."""
+    from engine.runner import sampling_variant, variant_promises
+
+    g = torch.Generator().manual_seed(21)
+    bound, vocab, bs = 8, 60, 5
+    picked = set()
+    for trial in range(60):
+        logits, temp, top_k, top_p = random_case(g, bs, 3, vocab, trial % 3)
+        if trial % 4 == 0:  # untruncated and greedy rows only
+            top_k = torch.where(torch.rand(bs, generator=g) < 0.5, 1, 0)
+            top_p = torch.ones(bs)
+        elif trial % 4 == 1:  # top-k inside the bound, with or without top-p
+            top_k = torch.randint(1, bound + 1, (bs,), generator=g)
+        variant = sampling_variant(list(zip(top_k.tolist(), top_p.tolist())), vocab, bound)
+        picked.add(variant)
+        got = target_probs(logits, temp, top_k, top_p, bound=bound,
+                           **variant_promises(variant, bs))
+        assert_same_distribution(got, target_probs(logits, temp, top_k, top_p, bound=None))
+    assert picked == {"plain", "bounded", "sort"}
+    assert sampling_variant([(0, 1.0), (1, 1.0)], 163_840) == "plain"
+    assert sampling_variant([(0, 1.0), (40, 0.9)], 163_840) == "bounded"
+    assert sampling_variant([(0, 0.95), (40, 0.9)], 163_840) == "sort"
+    assert sampling_variant([(300, 1.0)], 163_840) == "sort"
+
+
+@pytest.mark.parametrize("mode", ["tree", "ar"])
+def test_captured_step_sorts_only_what_truncates(tiny_models, mode) -> None:
+    """The step a graph captures (every row alike, no host reads) in each sampling variant:
+    greedy and untruncated sampled steps run no vocabulary-wide sort or topk (the drafter's
+    candidates in `build` aside); a top-k batch runs the bounded topk, a top-p batch the sort."""
+    from engine.runner import sampling_variant, variant_promises
+    from engine.spec import StepBuffers, StepShape, spec_step
+    from tests.graph_helpers import BLOCK, make_pool
+
+    models = tiny_models
+    vocab = models.target.cfg.vocab_size
+    greedy, free = (1, 1.0), (0, 1.0)
+    cases = [(False, [greedy, greedy, greedy], "plain", set()),
+             (True, [free, free, free], "plain", set()),
+             (True, [free, greedy, free], "plain", set()),
+             (True, [(20, 1.0), greedy, free], "bounded", {"topk"}),
+             (True, [(0, 0.9), (20, 0.8), free], "sort", {"sort"})]
+    for sample, cuts, want, sorts in cases:
+        shape = StepShape(mode, 6, BLOCK, sample)
+        pool = make_pool(models, num_pages=16)
+        buf = StepBuffers.allocate(3, 4, shape, models.target, "cpu")
+        buf.cache_len.fill_(5)
+        buf.page_table[:, :2] = torch.arange(1, 7).view(3, 2)
+        buf.top_k.copy_(torch.tensor([k for k, _ in cuts]))
+        buf.top_p.copy_(torch.tensor([p for _, p in cuts]))
+        buf.temperature.fill_(0.8)
+        buf.coins.uniform_(generator=torch.Generator().manual_seed(3))
+        if sample:
+            assert sampling_variant(cuts, vocab) == want
+            shape = replace(shape, **variant_promises(want, 3))
+        spy = _VocabSorts(vocab)
+        with torch.no_grad(), spy:
+            spec_step(models, pool, buf, shape, timer=spy.timer)
+        outside = [(phase, op) for phase, op in spy.calls if phase != "build"]
+        assert {op for _, op in outside} == sorts, (sample, cuts, outside)
+        assert all(phase == "decide" for phase, _ in outside)
