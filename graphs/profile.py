@@ -9,10 +9,11 @@ For each batch size: capture time, graph memory, replay latency against the eage
 same step, time per phase (eager, synchronized at phase edges), tokens per step, and GPU
 telemetry from NVML. Each batch runs real requests (prefilled prompts of at most `--prompt-len`
 tokens: held-out corpus text when the model has a tokenizer, else random ids) through the
-runner; the eager and the replayed runs start from the same state and must emit the same
-tokens. Without CUDA it profiles the eager step on the CPU and says so; with `--compile on` the
-compiled step stands in for the graph there (its first step's time, compile included, as the
-capture time).
+runner, attention read by the backend `--attention` names (`auto` by default), chosen by
+`engine.attention.select_backend` as the engine chooses it and named in the output; the eager
+and the replayed runs start from the same state and must emit the same tokens. Without CUDA it
+profiles the eager step on the CPU and says so; with `--compile on` the compiled step stands in
+for the graph there (its first step's time, compile included, as the capture time).
 
 Under `torchrun --nproc-per-node N ... --tp N` every rank runs the same steps and the table
 adds the all-reduce share of the eager step.
@@ -442,7 +443,8 @@ def _profile(a: argparse.Namespace, bench: Bench, device: torch.device, dtype: t
     result: dict[str, Any] = {
         "model": str(bench.model_dir), "draft": str(bench.draft_dir) if bench.draft_dir else None,
         "mode": a.mode, "budget": bench.budget, "device": str(device), "dtype": str(dtype),
-        "graphs": graphs, "note": None if graphs else NO_GRAPHS,
+        "attention": bench.models.attention.name, "graphs": graphs,
+        "note": None if graphs else NO_GRAPHS,
         "prompt_len": a.prompt_len, "steps": a.steps, "temperature": a.temperature,
         "tune_tokens": a.tune_tokens if a.tune else None,
         "torch": torch.__version__, "gpu": tel.static(), "results": rows,
@@ -471,6 +473,7 @@ def _profile(a: argparse.Namespace, bench: Bench, device: torch.device, dtype: t
         raise SystemExit(f"--output {out}: cannot write the results ({e})") from e
     sys.stderr.flush()
     print(table(rows))
+    print(f"({result['attention']} attention, {dtype}, {_step_kind(device, graphs)} step)")
     if not graphs:
         print(f"({NO_GRAPHS}; {tel.reason})")
     elif not tel.available:

@@ -30,15 +30,24 @@ from torch import Tensor
 LN2 = math.log(2.0)
 
 
-def flashinfer_available() -> bool:
-    """CUDA is present and flashinfer imports (only then is any GPU twin chosen)."""
+def flashinfer_unavailable() -> str | None:
+    """Why no flashinfer twin can be chosen here, or None when one can: CUDA is present and
+    flashinfer imports with every module the twins call (the MLA wrapper and its plan
+    metadata, `merge_state`, the sampling kernels).
+
+    NOTE: any exception counts, not only ImportError: a partial install (a wheel without its
+    dependencies, a missing shared library, a release before the keyword MLA plan) may import
+    the package and then fail in one of its modules with OSError or RuntimeError, and the
+    engine must take the Triton kernels then, not crash at its first step."""
     if not torch.cuda.is_available():
-        return False
+        return "CUDA is not available"
     try:
         import flashinfer  # noqa: F401
-    except ImportError:
-        return False
-    return True
+        from flashinfer import merge_state, sampling  # noqa: F401
+        from flashinfer.mla import BatchMLAPagedAttentionWrapper, MLAPlanMetadata  # noqa: F401
+    except Exception as e:  # noqa: BLE001 - whatever fails, the twins cannot run
+        return f"flashinfer does not import ({type(e).__name__}: {e})"
+    return None
 
 
 # ---- which flashinfer MLA backend can plan the prefix pass (pure; tested on the CPU) -------------

@@ -49,7 +49,7 @@ def test_select_backend_on_the_cpu(models):
     assert type(_select(models, "torch")) is TorchBackend
     assert type(_select(models, "triton")) is PagedBackend  # the kernels' torch twins
     with pytest.raises(ValueError, match="--attention flashinfer cannot run here: flashinfer "
-                                         "needs CUDA and the `gpu` extra"):
+                                         "needs CUDA"):
         _select(models, "flashinfer")
     with pytest.raises(ValueError, match="must be one of"):
         _select(models, "sdpa")
@@ -69,7 +69,7 @@ def test_flashinfer_refuses_a_model_no_mla_backend_plans(models, monkeypatch):
     import ops.attention_gpu as gpu
     from ops.custom_ops import triton_available
 
-    monkeypatch.setattr(gpu, "flashinfer_available", lambda: True)
+    monkeypatch.setattr(gpu, "flashinfer_unavailable", lambda: None)
     monkeypatch.setattr(gpu.MLADevice, "of", classmethod(
         lambda cls, dev: cls((9, 0), "13.0", 132, 233472, 232448)))
     cache = SimpleNamespace(device=torch.device("cuda"), dtype=torch.float32)

@@ -1,18 +1,12 @@
 """The GPU path, checked on the CPU: which flashinfer MLA backend plans the prefix pass (the rules
 of flashinfer 0.7.4, read from its source), `FlashInferMLAPrefix` against a fake flashinfer
-(keyword plan/run, host-only metadata), NVML's lookup by PCI bus id against a fake pynvml, and
-bench/gpu_check.sh (syntax, dry run, timeouts, signals)."""
+(keyword plan/run, host-only metadata), and NVML's lookup by PCI bus id against a fake pynvml
+(bench/gpu_check.sh has tests/test_gpu_check.py)."""
 
 from __future__ import annotations
 
-import os
-import re
-import signal
-import subprocess
 import sys
-import time
 import types
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -34,8 +28,6 @@ from ops.attention_gpu import (
     mla_workspace_bytes,
 )
 
-REPO = Path(__file__).resolve().parents[1]
-SCRIPT = REPO / "bench" / "gpu_check.sh"
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 H200 = MLADevice((9, 0), "13.0", 132, 233472, 232448)
 B200 = MLADevice((10, 0), "13.0", 148, 233472, 232448)
@@ -325,99 +317,3 @@ def test_nvml_without_a_driver_reports_no_telemetry(monkeypatch):
     tel = telemetry.Telemetry(0)
     assert not tel.available and "no GPU telemetry" in tel.reason
     assert tel.static() == {"telemetry": tel.reason}
-
-
-# ---- bench/gpu_check.sh --------------------------------------------------------------------------
-
-CUDA_TEST_FILES = ("tests/test_graphs_cuda.py", "tests/test_paged_attention.py",
-                   "tests/test_moe_kernels.py", "tests/test_quant_kernels.py")
-
-
-def _script_env(tmp_path, **env):
-    base = {k: v for k, v in os.environ.items() if k not in ("DRY_RUN", "TOTAL_BUDGET")}
-    return {**base, "TMPDIR": str(tmp_path), "SITE_DIR": str(tmp_path / "site"), **env}
-
-
-def test_gpu_check_parses():
-    subprocess.run(["bash", "-n", str(SCRIPT)], check=True)
-
-
-def test_gpu_check_dry_run_lists_the_cuda_test_files_by_name(tmp_path):
-    out = tmp_path / "out"
-    r = subprocess.run(["bash", str(SCRIPT), str(out)], env=_script_env(tmp_path, DRY_RUN="1"),
-                       capture_output=True, text=True, timeout=60)
-    assert r.returncode == 0, r.stdout + r.stderr
-    summary = (out / "summary.txt").read_text()
-    assert "DRY RUN" in summary
-    assert re.findall(r"-m pytest (\S+) -m cuda", summary) == list(CUDA_TEST_FILES)
-    assert "toolchain" in summary and "graphs.profile" in summary
-    assert sorted(p.name for p in out.iterdir()) == ["summary.txt"]
-    r = subprocess.run(["bash", str(SCRIPT), "--dry-run", str(out), str(tmp_path / "none")],
-                       env=_script_env(tmp_path), capture_output=True, text=True, timeout=60)
-    assert r.returncode == 1 and "no .whl files" in (out / "summary.txt").read_text()
-
-
-def _fake_python(tmp_path, pidfile):
-    """A `python` that answers the small checks at once and hangs in pytest (as exec'd sleep,
-    so a signal reaches it)."""
-    fake = tmp_path / "python"
-    fake.write_text("#!/usr/bin/env bash\n"
-                    'if [ "$1" = "-m" ] && [ "$2" = pytest ]; then\n'
-                    f'  echo $$ > "{pidfile}"; exec sleep 60\n'
-                    "fi\n"
-                    'if [ "$1" = "-" ]; then cat >/dev/null; echo env ok; exit 0; fi\n'
-                    "exit 1\n")
-    fake.chmod(0o755)
-    return fake
-
-
-def test_gpu_check_writes_its_summary_when_a_part_times_out(tmp_path):
-    out, pid = tmp_path / "out", tmp_path / "pid"
-    env = _script_env(tmp_path, PYTHON=str(_fake_python(tmp_path, pid)), TOTAL_BUDGET="23",
-                      MIN_PART="3", PROFILE="0")
-    t0 = time.monotonic()
-    r = subprocess.run(["bash", str(SCRIPT), str(out)], env=env, capture_output=True, text=True,
-                       timeout=90)
-    assert time.monotonic() - t0 < 30
-    summary = (out / "summary.txt").read_text()
-    assert "tests/test_graphs_cuda.py -m cuda" in summary and "TIMEOUT after" in summary
-    assert summary.count("SKIPPED") == 3  # the other test files: no time left in the budget
-    bad = ("TIMEOUT after", "SKIPPED (", "FAILED (", "FAILED,")
-    assert r.returncode == sum(any(b in line for b in bad) for line in summary.splitlines())
-    assert "env ok" in (out / "machine.txt").read_text()  # the here-document reached python
-    assert len(list(out.iterdir())) <= 8
-
-
-def test_gpu_check_writes_its_summary_when_killed(tmp_path):
-    out, pid = tmp_path / "out", tmp_path / "pid"
-    env = _script_env(tmp_path, PYTHON=str(_fake_python(tmp_path, pid)), PROFILE="0")
-    p = subprocess.Popen(["bash", str(SCRIPT), str(out)], env=env, stdout=subprocess.DEVNULL,
-                         stderr=subprocess.DEVNULL)
-    try:
-        deadline = time.monotonic() + 30
-        while not pid.exists() and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert pid.exists(), "pytest never started"
-        assert "RUNNING" in (out / "summary.txt").read_text()  # written before each part
-        p.send_signal(signal.SIGTERM)
-        p.wait(timeout=15)  # at once, not after the part's 280 s limit
-    finally:
-        if p.poll() is None:
-            p.kill()
-    summary = (out / "summary.txt").read_text()
-    assert "tests/test_graphs_cuda.py -m cuda" in summary and "INTERRUPTED" in summary
-    assert p.returncode >= 1
-    hung = int(pid.read_text())
-    deadline = time.monotonic() + 10
-    while _alive(hung) and time.monotonic() < deadline:  # the hung test went with it
-        time.sleep(0.2)
-    assert not _alive(hung)
-
-
-def _alive(pid: int) -> bool:
-    """A running process (a zombie waiting for its parent counts as gone)."""
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (FileNotFoundError, ProcessLookupError):
-        return False
-    return state != "Z"

@@ -53,6 +53,8 @@ def test_profile_main_writes_json_and_table(tmp_path, capsys):
     printed = capsys.readouterr()
     assert "eager ms" in printed.out and "verify ms" in printed.out
     if not torch.cuda.is_available():
+        assert res["attention"] == "torch"  # auto's choice on the CPU
+        assert "(torch attention, torch.float32, eager step)" in printed.out
         assert res["graphs"] is False and "need CUDA" in res["note"]
         assert "no GPU telemetry" in printed.out
         assert "no GPU telemetry" in res["gpu"]["telemetry"]
@@ -126,7 +128,8 @@ def test_profile_errors_name_the_missing_thing(tmp_path, capsys):
 def test_profile_attends_as_the_engine_chooses(tmp_path, capsys):
     """`--attention` picks the backend the profiled models carry, by the engine's own choice
     (`engine.attention.select_backend`): the paged kernels' twins for triton on the CPU, torch
-    for auto; flashinfer, which cannot run here, is refused with the reason."""
+    for auto; the results name it; flashinfer, which cannot run here, is refused with the
+    reason."""
     from engine.config import EngineConfig, parse_cli
 
     target, draft = write_pair(tmp_path)
@@ -139,7 +142,9 @@ def test_profile_attends_as_the_engine_chooses(tmp_path, capsys):
     rc = _profile(tmp_path, "--batch-sizes", "2", "--budget", "3", "--steps", "1", "--warmup",
                   "0", "--prompt-len", "5", "--attention", "triton", "--output",
                   str(tmp_path / "p.json"))
-    assert rc == 0 and json.loads((tmp_path / "p.json").read_text())["results"]
+    res = json.loads((tmp_path / "p.json").read_text())
+    assert rc == 0 and res["results"] and res["attention"] == "paged"
+    assert "(paged attention," in capsys.readouterr().out
     assert _profile(tmp_path, "--attention", "flashinfer", "--output",
                     str(tmp_path / "x.json")) == 2
     assert "--attention flashinfer cannot run here" in capsys.readouterr().err

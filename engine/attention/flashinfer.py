@@ -30,10 +30,13 @@ class FlashInferBackend(AttentionBackend):
 
     @classmethod
     def unavailable(cls, setup: Setup) -> str | None:
-        from ops.attention_gpu import MLADevice, flashinfer_available, mla_unsupported_reason
+        from ops.attention_gpu import MLADevice, flashinfer_unavailable, mla_unsupported_reason
 
-        if setup.device.type != "cuda" or not flashinfer_available():
-            return "flashinfer needs CUDA and the `gpu` extra"
+        if setup.device.type != "cuda":
+            return "flashinfer needs CUDA"
+        why = flashinfer_unavailable()
+        if why is not None:  # not installed (the `gpu` extra), or only in part
+            return why
         mc, facts = setup.target.cfg, MLADevice.of(setup.device)
         heads = setup.target.model.layers[0].self_attn.num_heads
         return next((why for bs, n in setup.steps if (why := mla_unsupported_reason(
