@@ -391,13 +391,15 @@ def prefill(models: Models, pool: KVPool, ctxs: Sequence[Sequence[int]],
         logits, ctx, rows = forward(models.target, ids, last, models.aux_layers, moe,
                                     models.drafter)
     pos = torch.arange(T, device=dev).expand(B, T)
-    real = pos < torch.tensor(lens, device=dev)[:, None]  # [B, T]
+    # NOTE: the real (unpadded) positions, flat, indexed from the lengths on the host: a
+    # boolean mask would make the host wait for the device to count its true elements.
+    real = torch.tensor([b * T + t for b, n in enumerate(lens) for t in range(n)], device=dev)
     width = max(map(len, pages))
     pt = torch.tensor([list(p) + [DUMMY_PAGE] * (width - len(p)) for p in pages], device=dev)
-    slots = slot_of(pt, pos, pool.page_size)[real]
-    pool.target[:, slots] = rows[:, real].to(pool.target.dtype)
+    slots = slot_of(pt, pos, pool.page_size).reshape(-1)[real]
+    pool.target[:, slots] = rows.flatten(1, 2)[:, real].to(pool.target.dtype)
     if ctx is not None:
-        pool.draft[:, slots] = ctx[:, real].to(pool.draft.dtype)
+        pool.draft[:, slots] = ctx.flatten(1, 2)[:, real].to(pool.draft.dtype)
     return logits
 
 

@@ -2,17 +2,26 @@
 no GPU: the models are built on the meta device from the checkpoint's own `config.json`.
 
     python -m graphs.plan --model configs/kimi-k2.5-text --tp 8 [--draft DIR] [--gpu-memory 141GB]
-        [--max-model-len L] [--max-batch-size B] [--json FILE]
+        [--max-model-len L] [--max-batch-size B] [--prefill-chunk C] [--kv-pages P] [--json FILE]
         [--cost --batch-sizes 1,8,32 --budgets 4,8,16,32 --context 4096 --gpus H200,RTX-PRO-6000
          --accept-len 3.7] [--tune --accept-lens 2:2.1,8:4.0 --sampled-accept-lens 2:1.4,8:1.7]
+        [--rehearse --prompt-lens 1024,32768,262144 --batch-sizes 1,8,64]
 
 Memory: weight bytes per rank as stored (INT4 experts as words and scales, FP8 with its block
 scales, the rest bf16), KV bytes per token (target latent cache and drafter context), the step
-buffers and the step's peak live activations (measured on the meta device) for the largest
-captured batch, and the KV pool the engine will allocate with these flags: the engine's own
-rule (`engine.memory.size_kv_pool`: `--gpu-memory-utilization` of the GPU, less the weights, the
-CUDA context and the engine's activation reserve), and whether one full context fits, with the
-knob to turn if not.
+buffers of every captured batch size, activations measured on the meta device (`graphs.rehearse`:
+every step the engine captures at its largest batch size, sampling variants included, and a
+prompt of two prefill chunks, each checked against the engine's estimate for it), and the KV
+pool the engine will allocate with its default flags: its own rule (`engine.memory.size_kv_pool`:
+`--gpu-memory-utilization` of the GPU, less the weights, the CUDA context and the engine's
+activation reserve, for the widest step of its budget policy), and whether one full context
+fits, with the knob to turn if not.
+
+Rehearsal (`--rehearse`): the engine's own code at these sizes (`graphs.rehearse`): the pool
+sized and allocated, every captured step at each `--batch-sizes` (`--max-batch-size` raised to
+the largest), then each prompt of `--prompt-lens` prefilled alone in the scheduler's chunks; per
+phase the peak device bytes, activations, host syncs and kernel launches, and whether every
+phase fits the GPU (exit 1 when one does not, or when not one full context fits).
 
 Cost (`--cost`): the real step function (`engine.spec.spec_step`: draft, build, verify, decide,
 commit; attention over live pages, experts over aligned blocks, as on a GPU) runs on the meta
@@ -62,6 +71,8 @@ from engine.memory import (
     CUDA_RUNTIME_BYTES,
     GPU_MEMORY_UTILIZATION,
     KVMemoryError,
+    PoolSize,
+    Reserve,
     activation_reserve,
     default_prefill_chunk,
     parse_size,
@@ -70,9 +81,19 @@ from engine.memory import (
 from engine.models.dflash import DFlashDrafter
 from engine.models.kimi import KimiForCausalLM
 from engine.models.layers import FP8, cast_parameters, checkpoint_tensors
-from engine.policy import policy_path, write_tuned
-from engine.runner import default_capture_sizes
+from engine.policy import Policy, policy_path, write_tuned
+from engine.runner import StepGraphRunner
+from engine.scheduler import RequestRejected
 from engine.spec import Models, StepBuffers, StepShape, spec_step
+from graphs.rehearse import (
+    DEVICE,
+    DeviceMode,
+    Tally,
+    engine_shapes,
+    rehearse_prefill,
+    rehearse_step,
+    step_kinds,
+)
 from ops.moe import moe_bytes, moe_flops
 from ops.quant import fp8_linear_bytes
 
@@ -330,12 +351,27 @@ def build_parser() -> argparse.ArgumentParser:
                     help="context limit (default: the model's max_position_embeddings)")
     ap.add_argument("--max-batch-size", type=int, default=_ENGINE["max_batch_size"].default,
                     help=f"the engine's flag (default: {_ENGINE['max_batch_size'].default})")
-    ap.add_argument("--budget", type=int, default=16, help="tree budget of the captured steps")
+    ap.add_argument("--budget", type=int, default=None,
+                    help="tree budget of the captured steps (default: the engine's, the shipped "
+                         "CUDA budget policy)")
+    ap.add_argument("--kv-pages", type=int, default=None,
+                    help="the engine's flag: the KV pool's pages (default: sized from memory)")
+    ap.add_argument("--prefill-chunk", type=int, default=None,
+                    help="the engine's flag: prompt tokens one engine step prefills (default: "
+                         f"{default_prefill_chunk('cuda')}, CUDA's)")
     ap.add_argument("--page-size", type=int, default=_ENGINE["page_size"].default)
     ap.add_argument("--dtype", choices=("bfloat16", "float16"), default="bfloat16")
     ap.add_argument("--json", type=Path, help="write the results here")
     ap.add_argument("--cost", action="store_true", help="the step cost table")
-    ap.add_argument("--batch-sizes", type=int_list(1), default=[1, 8, 32])
+    ap.add_argument("--batch-sizes", type=int_list(1), default=[1, 8, 32],
+                    help="for --cost and --rehearse")
+    ap.add_argument("--rehearse", action="store_true",
+                    help="run the engine's own code on the meta device at these sizes: every "
+                         "captured step at --batch-sizes, then each prompt of --prompt-lens "
+                         "prefilled in chunks; per phase peak bytes, activations, host syncs "
+                         "and launches; exit 1 when one does not fit")
+    ap.add_argument("--prompt-lens", type=int_list(1), default=[1024, 32768],
+                    help="for --rehearse: prompt lengths, each prefilled alone")
     ap.add_argument("--budgets", type=int_list(1), default=[4, 8, 16, 32])
     ap.add_argument("--context", type=int, default=4096, help="committed tokens per row")
     ap.add_argument("--gpus", default="H200", help=f"comma-separated, of {', '.join(GPUS)}")
@@ -352,67 +388,210 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
-def memory(a: argparse.Namespace, models: Models, dtype: torch.dtype, gpu_memory: int
-           ) -> dict[str, Any]:
-    c, d = models.target.cfg, models.drafter
+@dataclass
+class Sizing:
+    """The engine's KV pool with these flags on one GPU of `gpu_memory` bytes, by its own rule
+    (`engine.memory.size_kv_pool`), and what it is sized from."""
+
+    shape: StepShape  # the runner's
+    budgets: Policy | None  # its budget policy (`engine.policy`)
+    widest: StepShape  # the step that can emit the most: it sets the page tables' width
+    max_len: int
+    page_size: int
+    max_pages: int  # a page table's width: a full context plus the widest step's span
+    max_batch_size: int
+    chunk: int  # prompt tokens one engine step prefills
+    weights: dict[str, int]  # `weight_bytes`
+    kv_token: int
+    reserve: Reserve  # the engine's activation reserve, estimated
+    used: int  # weights and the CUDA context
+    budget: int
+    flag: str  # where the budget comes from
+    pool: PoolSize | None  # None: not one full context fits
+    error: str | None
+
+    @property
+    def per_rank(self) -> int:
+        return self.weights.get("target", 0) + self.weights.get("drafter", 0)
+
+
+def sizing(a: argparse.Namespace, models: Models, dtype: torch.dtype, gpu_memory: int,
+           max_batch_size: int) -> Sizing:
+    """What `engine.llm.LLM` sizes on CUDA with these flags and `--max-batch-size
+    max_batch_size`: the CUDA context (`--reserve`) and the weights in use, its activation
+    reserve for the widest step and a prefill chunk, at most every slot at full context, or
+    `--kv-pages`."""
+    c = models.target.cfg
+    shape, budgets, widest = engine_shapes(models, a.budget)
+    max_len = a.max_model_len or c.max_position_embeddings
+    max_pages = pages_needed(max_len + widest.max_emit, a.page_size)
+    chunk = a.prefill_chunk or default_prefill_chunk("cuda")
     weights = weight_bytes(models)
     per_rank = weights.get("target", 0) + weights.get("drafter", 0)
     kv_token = models.kv_bytes_per_token(dtype)
-    max_len = a.max_model_len or c.max_position_embeddings
-    block = d.c.block_size if d is not None else 8
-    shape = StepShape("tree", a.budget, block, False)
-    max_pages = pages_needed(max_len + shape.max_emit, a.page_size)
-    bs = max(default_capture_sizes(a.max_batch_size))
-    _, buf = step_inputs(models, shape, bs, max_pages, a.page_size, dtype)
-    buffers = sum(_bytes(getattr(buf, f)) for f in buf.__dataclass_fields__)
-    step = run_step(models, shape, bs, max_pages, a.page_size, dtype, a.context)
-    workspace = step["peak_activation_bytes"]
-    # The engine's rule with what it would read on the GPU: the weights and the CUDA context in
-    # use, its activation reserve (estimated, as the engine does; the measured peak is checked
-    # against it below).
-    reserve = activation_reserve(c, tp=a.tp, max_batch_size=a.max_batch_size,
-                                 step_rows=shape.num_nodes + block,
-                                 prefill_tokens=default_prefill_chunk("cuda"),
+    reserve = activation_reserve(c, tp=a.tp, max_batch_size=max_batch_size,
+                                 step_rows=widest.num_nodes + shape.block_size,
+                                 prefill_tokens=chunk,
                                  dtype_bytes=torch.finfo(dtype).bits // 8, cuda=True)
     used = per_rank + a.reserve
     budget = int(gpu_memory * a.gpu_memory_utilization)
     flag = f"--gpu-memory-utilization {a.gpu_memory_utilization} of {_gb(gpu_memory)}"
-    try:
-        size = size_kv_pool(budget_bytes=budget, used_bytes=used, reserve_bytes=reserve.total,
-                            bytes_per_token=kv_token, page_size=a.page_size,
-                            max_model_len=max_len, pages_per_context=max_pages,
-                            max_batch_size=a.max_batch_size, budget_flag=flag, tp=a.tp)
-        tokens, contexts, error = size.tokens, size.contexts, None
-    except KVMemoryError as e:
-        tokens, contexts, error = 0, 0, str(e)
-    room = gpu_memory - used - reserve.total  # at full memory (utilization 1)
-    fit_tokens = max(budget - used - reserve.total, 0) // kv_token
-    fits = error is None
+    pool, error = None, None
+    if a.kv_pages is not None:
+        pool = PoolSize(a.kv_pages, a.page_size, kv_token, max_pages, max_len, a.kv_pages,
+                        1 + max_batch_size * max_pages, 0, 0, 0, source="--kv-pages")
+    else:
+        try:
+            pool = size_kv_pool(budget_bytes=budget, used_bytes=used,
+                                reserve_bytes=reserve.total, bytes_per_token=kv_token,
+                                page_size=a.page_size, max_model_len=max_len,
+                                pages_per_context=max_pages, max_batch_size=max_batch_size,
+                                budget_flag=flag, tp=a.tp)
+        except KVMemoryError as e:
+            error = str(e)
+    return Sizing(shape, budgets, widest, max_len, a.page_size, max_pages, max_batch_size, chunk,
+                  weights, kv_token, reserve, used, budget, flag, pool, error)
+
+
+def engine_runner(models: Models, z: Sizing, num_pages: int, dtype: torch.dtype
+                  ) -> StepGraphRunner:
+    """The runner the engine builds on CUDA, over a KV pool of `num_pages` pages, on the meta
+    device (`graphs.rehearse`)."""
+    pool = models.kv_pool(z.page_size, num_pages, dtype, DEVICE)
+    runner = StepGraphRunner(models, pool, z.shape, max_batch_size=z.max_batch_size,
+                             max_pages=z.max_pages, budgets=z.budgets)
+    # NOTE: the meta device cannot capture; the runner is built without graphs and told
+    # afterwards, so that its captured shapes (`shapes_of`: every sampling variant) are the
+    # ones CUDA captures. Nothing here loads, captures or replays.
+    runner.use_graphs = True
+    return runner
+
+
+def buffer_bytes(runner: StepGraphRunner) -> int:
+    """The runner's static step buffers, every captured size's."""
+    return sum(_bytes(getattr(buf, f)) for buf in runner.buffers.values()
+               for f in buf.__dataclass_fields__)
+
+
+def memory(a: argparse.Namespace, models: Models, group: CountingGroup | None,
+           dtype: torch.dtype, gpu_memory: int) -> dict[str, Any]:
+    """The memory table: the engine's KV pool with its default flags, what it is sized from,
+    and the activations its reserve is for, measured."""
+    z = sizing(a, models, dtype, gpu_memory, a.max_batch_size)
+    # Measured on the meta device: every step the engine captures at its largest batch size
+    # (the graphs' pool holds the largest), and a prompt of two chunks (the first chunk's
+    # naive forward, then a chunk over the cached prefix).
+    prompt = min(2 * z.chunk, z.max_len - 1)
+    pages = max(z.pool.num_pages if z.pool else 0, 1 + z.max_pages)
+    runner = engine_runner(models, z, pages, dtype)
+    bs = max(runner.capture_sizes)
+    mode = DeviceMode(group)
+    steps = {name: rehearse_step(mode, runner, bs, s).activation_bytes
+             for name, s in step_kinds(runner, bs)}
+    prefill = rehearse_prefill(mode, runner, prompt_len=prompt, chunk=z.chunk, num_pages=pages,
+                               max_model_len=z.max_len)[0].activation_bytes
+    workspace = max(steps.values())
+    fits = z.error is None
+    room = gpu_memory - z.used - z.reserve.total  # at full memory (utilization 1)
+    fit_tokens = max(z.budget - z.used - z.reserve.total, 0) // z.kv_token
+    buffers = buffer_bytes(runner)
     if fits:
         knob = None
     elif room <= 0:
-        knob = (f"the weights alone need {per_rank / 1e9:.1f} GB a rank: raise --tp, or lower "
-                f"--max-batch-size (step buffers {buffers / 1e9:.2f} GB, activation reserve "
-                f"{reserve.total / 1e9:.2f} GB)")
+        knob = (f"the weights alone need {z.per_rank / 1e9:.1f} GB a rank: raise --tp, or "
+                f"lower --max-batch-size (step buffers {buffers / 1e9:.2f} GB, activation "
+                f"reserve {z.reserve.total / 1e9:.2f} GB)")
     else:
-        knob = (f"{fit_tokens:,} tokens of KV fit at {flag}, fewer than one request at "
-                f"--max-model-len {max_len:,}: lower --max-model-len, or raise --tp or "
+        knob = (f"{fit_tokens:,} tokens of KV fit at {z.flag}, fewer than one request at "
+                f"--max-model-len {z.max_len:,}: lower --max-model-len, or raise --tp or "
                 f"--gpu-memory-utilization")
-    warning = None if workspace <= reserve.step else (
-        f"the measured step activations ({_gb(workspace)}) exceed the engine's estimate "
-        f"({_gb(reserve.step)}, engine.memory.step_activation_bytes): raise it")
-    return {"weight_bytes_per_rank": per_rank, "weight_bytes_by_kind": weights,
-            "kv_bytes_per_token": kv_token, "step_buffer_bytes": buffers,
-            "step_workspace_bytes": workspace, "reserve_bytes": a.reserve,
-            "activation_reserve_bytes": {"step": reserve.step, "prefill": reserve.prefill,
-                                         "overhead": reserve.overhead},
+    warnings = [f"the measured {what} activations ({_gb(got)}) exceed the engine's estimate "
+                f"({_gb(want)}, engine.memory.{fn})" for what, got, want, fn in (
+                    ("step", workspace, z.reserve.step, "step_activation_bytes"),
+                    ("prefill chunk", prefill, z.reserve.prefill, "prefill_activation_bytes"))
+                if got > want]
+    return {"weight_bytes_per_rank": z.per_rank, "weight_bytes_by_kind": z.weights,
+            "kv_bytes_per_token": z.kv_token, "step_buffer_bytes": buffers,
+            "step_workspace_bytes": workspace, "step_workspace_by_kind": steps,
+            "prefill_chunk": z.chunk, "prefill_activation_bytes": prefill,
+            "reserve_bytes": a.reserve,
+            "activation_reserve_bytes": {"step": z.reserve.step, "prefill": z.reserve.prefill,
+                                         "overhead": z.reserve.overhead},
             "gpu_memory_utilization": a.gpu_memory_utilization,
-            "gpu_memory_bytes": gpu_memory, "kv_room_bytes": room, "kv_tokens": tokens,
-            "kv_pool_bytes": (tokens // a.page_size + 1) * a.page_size * kv_token if fits
-            else 0, "full_context_requests": contexts, "fits": fits, "knob": knob,
-            "kv_error": error, "reserve_warning": warning, "max_model_len": max_len,
-            "kv_pages_per_context": max_pages,
-            "capture_batch_size": bs, "max_batch_size": a.max_batch_size, "budget": a.budget}
+            "gpu_memory_bytes": gpu_memory, "kv_room_bytes": room,
+            "kv_pages": z.pool.num_pages if z.pool else 0,
+            "kv_tokens": z.pool.tokens if z.pool else 0,
+            "kv_pool_bytes": z.pool.pool_bytes if z.pool else 0,
+            "full_context_requests": z.pool.contexts if z.pool else 0, "fits": fits,
+            "knob": knob, "kv_error": z.error, "reserve_warnings": warnings,
+            "max_model_len": z.max_len, "kv_pages_per_context": z.max_pages,
+            "capture_batch_size": bs, "max_batch_size": a.max_batch_size,
+            "budget": z.widest.budget}
+
+
+def rehearsal(a: argparse.Namespace, models: Models, group: CountingGroup | None,
+              dtype: torch.dtype, gpu_memory: int) -> dict[str, Any]:
+    """`--rehearse` (`graphs.rehearse`): the engine with its default flags (`--max-batch-size`
+    raised to the largest `--batch-sizes`) on one GPU of `gpu_memory` bytes: every captured
+    step at each batch size, then each prompt of `--prompt-lens` prefilled alone (at most
+    `--max-model-len - 1` tokens, the longest the engine admits). A phase's peak is what the
+    allocator holds: the CUDA context, weights, KV pool, step buffers and the graphs' pool
+    (the largest step's activations), plus a prefill's own activations and kernel workspaces;
+    not the allocator's rounding and fragmentation or cuBLAS's workspaces, which the engine's
+    fixed overhead (`engine.memory.CUDA_OVERHEAD_BYTES`) is for."""
+    from tqdm import tqdm
+
+    z = sizing(a, models, dtype, gpu_memory, max(a.max_batch_size, *a.batch_sizes))
+    out: dict[str, Any] = {
+        "fits": False, "error": z.error, "gpu_memory_bytes": gpu_memory,
+        "gpu_memory_utilization": a.gpu_memory_utilization, "weight_bytes": z.per_rank,
+        "weight_bytes_by_kind": z.weights, "kv_bytes_per_token": z.kv_token,
+        "max_model_len": z.max_len, "max_batch_size": z.max_batch_size,
+        "prefill_chunk": z.chunk, "kv_budget_room_bytes": z.budget - z.used - z.reserve.total,
+        "kv_pages": z.pool.num_pages if z.pool else 0,
+        "kv_tokens": z.pool.tokens if z.pool else 0, "phases": []}
+    if z.pool is None:
+        return out
+    runner = engine_runner(models, z, z.pool.num_pages, dtype)
+    mode = DeviceMode(group)
+    sizes = sorted({runner.padded_size(b) for b in a.batch_sizes} | {max(runner.capture_sizes)})
+    steps = [(bs, name, s) for bs in sizes for name, s in step_kinds(runner, bs)]
+    phases = [_phase(f"step {name}", "step", bs, None, None, rehearse_step(mode, runner, bs, s))
+              for bs, name, s in tqdm(steps, desc="rehearsing steps")]
+    graphs = max(p["activation_bytes"] for p in phases)
+    notes: list[str] = []
+    rejected: list[str] = []  # prompts the scheduler refuses (the pool is too small for them)
+    for want in a.prompt_lens:
+        n = min(want, z.max_len - 1)
+        if n < want:
+            notes.append(f"--prompt-lens {want:,}: {n:,} tokens, the longest prompt the engine "
+                         f"admits at --max-model-len {z.max_len:,}")
+        try:
+            tally, chunks = rehearse_prefill(mode, runner, prompt_len=n, chunk=z.chunk,
+                                             num_pages=z.pool.num_pages,
+                                             max_model_len=z.max_len, progress=True)
+        except RequestRejected as e:
+            rejected.append(f"a {n:,}-token prompt: {e}")
+            continue
+        phases.append(_phase(f"prefill {n}", "prefill", 1, n, chunks, tally))
+    static = {"cuda_context": a.reserve, "weights": z.per_rank, "kv_pool": z.pool.pool_bytes,
+              "step_buffers": buffer_bytes(runner), "graphs_pool": graphs}
+    for p in phases:
+        p["peak_bytes"] = sum(static.values()) + (p["activation_bytes"] if p["kind"] ==
+                                                  "prefill" else 0)
+    out.update(fits=not rejected and all(p["peak_bytes"] <= gpu_memory for p in phases),
+               static_bytes=static, kv_contexts=z.pool.contexts,
+               budget_policy=z.budgets is not None, phases=phases, notes=notes,
+               rejected=rejected)
+    return out
+
+
+def _phase(name: str, kind: str, bs: int, prompt_len: int | None, chunks: int | None,
+           t: Tally) -> dict[str, Any]:
+    return {"name": name, "kind": kind, "batch_size": bs, "prompt_len": prompt_len,
+            "chunks": chunks, "peak_bytes": 0, "activation_bytes": t.activation_bytes,
+            "workspace_bytes": t.workspace, "host_syncs": t.host_syncs,
+            "sync_ops": dict(t.syncs), "launches": t.launches, "collectives": t.collectives}
 
 
 def _block(models: Models) -> int:
@@ -486,13 +665,21 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     dtype = getattr(torch, a.dtype)
     try:
-        models, _ = build(a.model, a.draft, a.tp, dtype)
+        models, group = build(a.model, a.draft, a.tp, dtype)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     gpu_memory = a.gpu_memory or int(GPUS[gpus[0]].memory)
     result: dict[str, Any] = {"model": str(a.model), "draft": str(a.draft) if a.draft else None,
-                              "tp": a.tp, **memory(a, models, dtype, gpu_memory)}
+                              "tp": a.tp}
+    if a.rehearse:
+        result.update(rehearsal(a, models, group, dtype, gpu_memory))
+        print(rehearsal_table(result))
+        if result["error"]:
+            print(f"error: {result['error']}", file=sys.stderr)
+        _write_json(a.json, result)
+        return 0 if result["fits"] else 1
+    result.update(memory(a, models, group, dtype, gpu_memory))
     print(memory_table(result))
     if a.cost:
         result["context"] = a.context
@@ -511,28 +698,36 @@ def main(argv: list[str] | None = None) -> int:
                 f"{a.accept_lens}, sampled {a.sampled_accept_lens}. Measure on a GPU with "
                 f"`python -m graphs.profile --tune`.")))
         print(f"wrote {result['policy']['path']}", file=sys.stderr)
-    if a.json:
-        a.json.parent.mkdir(parents=True, exist_ok=True)
-        a.json.write_text(json.dumps(result, indent=2) + "\n")
-        print(f"wrote {a.json}", file=sys.stderr)
+    _write_json(a.json, result)
     return 0
 
 
+def _write_json(path: Path | None, result: dict[str, Any]) -> None:
+    if path:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(result, indent=2) + "\n")
+        print(f"wrote {path}", file=sys.stderr)
+
+
 def _gb(n: float) -> str:
-    return f"{n / 1e9:.2f} GB"
+    return f"{n / 1e9:.2f} GB" if n >= 1e8 else f"{n / 1e6:.1f} MB"
 
 
 def memory_table(r: dict[str, Any]) -> str:
-    res = r["activation_reserve_bytes"]
+    res, steps = r["activation_reserve_bytes"], r["step_workspace_by_kind"]
     kinds = ", ".join(f"{k} {_gb(v)}" for k, v in r["weight_bytes_by_kind"].items()
                       if k not in ("target", "drafter"))
     lines = [
         f"{r['model']} at --tp {r['tp']}, per rank:",
         f"  weights            {_gb(r['weight_bytes_per_rank'])} ({kinds})",
         f"  KV per token       {r['kv_bytes_per_token']:,} bytes",
-        f"  step buffers       {_gb(r['step_buffer_bytes'])} (batch {r['capture_batch_size']}, "
-        f"budget {r['budget']}, {r['max_model_len']:,}-token page tables)",
-        f"  step activations   {_gb(r['step_workspace_bytes'])} (peak, measured on meta)",
+        f"  step buffers       {_gb(r['step_buffer_bytes'])} (every captured batch size up to "
+        f"{r['capture_batch_size']}, {r['max_model_len']:,}-token page tables)",
+        f"  step activations   {_gb(r['step_workspace_bytes'])} (measured: the largest of "
+        f"{len(steps)} captured steps at batch {r['capture_batch_size']}, "
+        f"{max(steps, key=steps.get)})",
+        f"  prefill chunk      {_gb(r['prefill_activation_bytes'])} ({r['prefill_chunk']:,} "
+        f"tokens, measured: the first chunk's forward and one over a cached prefix)",
         f"  CUDA context       {_gb(r['reserve_bytes'])} (--reserve)",
         f"  engine's reserve   {_gb(sum(res.values()))} (step {_gb(res['step'])}, prefill "
         f"{_gb(res['prefill'])}, overhead {_gb(res['overhead'])}: engine.memory)",
@@ -543,8 +738,47 @@ def memory_table(r: dict[str, Any]) -> str:
         f"--gpu-memory-utilization {r['gpu_memory_utilization']}, --max-batch-size "
         f"{r['max_batch_size']}",
         f"  fits               {'yes' if r['fits'] else 'no: ' + r['knob']}",
-        *([f"  warning            {r['reserve_warning']}"] if r["reserve_warning"] else []),
+        *(f"  warning            {w}" for w in r["reserve_warnings"]),
     ]
+    return "\n".join(lines)
+
+
+def rehearsal_table(r: dict[str, Any]) -> str:
+    draft = f" with {r['draft']}" if r["draft"] else ""
+    lines = [f"rehearsal of {r['model']}{draft} at --tp {r['tp']} on one "
+             f"{_gb(r['gpu_memory_bytes'])} GPU, per rank (the engine's code on the meta "
+             f"device, --max-batch-size {r['max_batch_size']}, --prefill-chunk "
+             f"{r['prefill_chunk']:,}, --max-model-len {r['max_model_len']:,}):",
+             f"  weights            {_gb(r['weight_bytes'])}"]
+    if r["error"]:
+        room = r["kv_budget_room_bytes"]
+        why = (f"the weights, the CUDA context and the activation reserve exceed the budget by "
+               f"{_gb(-room)}" if room <= 0 else f"{_gb(room)} left, less than one context")
+        return "\n".join([*lines, f"  KV pool            none: {why} (the error below)"])
+    st = r["static_bytes"]
+    lines[-1] += f", CUDA context {_gb(st['cuda_context'])}"
+    lines += [
+        f"  KV pool            {r['kv_tokens']:,} tokens in {r['kv_pages']:,} pages "
+        f"({_gb(st['kv_pool'])}), {r['kv_contexts']} full {r['max_model_len']:,}-token "
+        f"contexts",
+        f"  step buffers       {_gb(st['step_buffers'])}; graphs' pool {_gb(st['graphs_pool'])} "
+        f"(the largest step's activations)",
+        f"{'phase':<36} {'bs':>3} {'prompt':>7} {'chunks':>6} {'act MB':>9} {'peak GB':>8} "
+        f"{'free GB':>8} {'syncs':>5} {'launches':>9}"]
+    for p in r["phases"]:
+        lines.append(
+            f"{p['name']:<36} {p['batch_size']:>3} {p['prompt_len'] or '-':>7} "
+            f"{p['chunks'] or '-':>6} {p['activation_bytes'] / 1e6:9,.1f} "
+            f"{p['peak_bytes'] / 1e9:8.2f} {(r['gpu_memory_bytes'] - p['peak_bytes']) / 1e9:8.2f} "
+            f"{p['host_syncs']:>5} {p['launches']:>9,}")
+    syncs = sorted({op for p in r["phases"] for op in p["sync_ops"]})
+    over = ("no: a phase needs more than the GPU holds (lower --max-batch-size or "
+            "--prefill-chunk, or raise --tp)" if not r["rejected"] else
+            "no: the engine refuses a prompt")
+    lines += [f"  host syncs by op   {', '.join(syncs) or 'none'}",
+              *(f"  note               {n}" for n in r["notes"]),
+              *(f"  refused            {n}" for n in r["rejected"]),
+              f"  fits               {'yes' if r['fits'] else over}"]
     return "\n".join(lines)
 
 

@@ -55,7 +55,6 @@ Graph-safe: no host sync, outputs and partials have shape-only sizes.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -63,18 +62,21 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from ops.triton_util import ieee_dots, pow2_tile
+from ops.paged_grid import (  # noqa: F401 - the launch geometry, re-exported
+    MAX_PARTIAL_BYTES,
+    MAX_SPLITS,
+    TARGET_PROGRAMS,
+    kv_splits,
+    launch_shape,
+    pow2_tile,
+    programs_with_work,
+    split_chunk,
+    tile_config,
+)
+from ops.triton_util import ieee_dots
 from ops.triton_util import kernel_for as _kernel_for
 
 LOG2E = 1.4426950408889634
-# NOTE: about two waves of programs on a 132-SM H200; splits only add parallelism for small
-# batches and never exceed the number of key tiles in the table. 64 splits give one query row
-# of one request (plain decoding at batch 1) 64 programs once its context is 64 key tiles long.
-TARGET_PROGRAMS = 264
-MAX_SPLITS = 64
-# NOTE: the per-split partials (fp32 outputs and LSEs) of one launch stay under this; a launch
-# with many query rows needs no splits to fill the GPU anyway.
-MAX_PARTIAL_BYTES = 16 << 20
 # NOTE: the kernels reduce with `tl.reduce` and these combine functions (what `tl.max` /
 # `tl.sum` reduce with) instead of calling those `@jit` functions, which the interpreter cannot
 # call unless triton was imported under `TRITON_INTERPRET=1` (`ops.triton_util`); it
@@ -228,92 +230,6 @@ def _merge_splits(
     tl.store(lse_ptr + orow, lse, mask=r_ok)
 
 
-def tile_config(dtype: torch.dtype, dv: int) -> tuple[int, int, int]:
-    """`(max BLOCK_M, BLOCK_N, num_warps)` for a cache of `dtype` and value width `dv`.
-
-    Chosen by compiling for sm_90a with Triton's bundled ptxas (no GPU needed; the test
-    `test_kernels_compile_for_sm90_without_spills` keeps them honest): the largest tiles
-    without register spills at the default 3 pipeline stages. 16-bit caches: MLA's 512-wide
-    values 32 x 32 on 8 warps (185 registers, 84 KB shared), 128-wide heads 64 x 32 on 8
-    warps, narrower 64 x 64 on 4. fp32 caches take IEEE FMA dots, which need more registers
-    per element: 16 x 16 on 4 warps for 512, 32 x 32 on 8 for 128, 32 x 32 on 4 below."""
-    block_dv = pow2_tile(dv)
-    if dtype == torch.float32:
-        if block_dv >= 256:
-            return 16, 16, 4
-        return (32, 32, 8) if block_dv >= 128 else (32, 32, 4)
-    if block_dv >= 256:
-        return 32, 32, 8
-    return (64, 32, 8) if block_dv >= 128 else (64, 64, 4)
-
-
-def kv_splits(bs: int, programs_per_split: int, capacity: int, block_n: int,
-              num_splits: int | None = None, split_bytes: int = 0) -> int:
-    """The grid's split count, from shapes only: enough splits that `bs * programs_per_split`
-    programs per split reach `TARGET_PROGRAMS` (at most `MAX_SPLITS`), or `num_splits` when
-    given; never more than the key tiles of the table's `capacity = W * page_size` tokens, nor
-    (unless given) more than fit `MAX_PARTIAL_BYTES` at `split_bytes` of partials per split."""
-    tiles = max(1, -(-capacity // block_n))
-    if num_splits is None:
-        num_splits = -(-TARGET_PROGRAMS // max(1, bs * programs_per_split))
-        num_splits = min(num_splits, MAX_SPLITS, MAX_PARTIAL_BYTES // max(1, split_bytes))
-    return max(1, min(num_splits, tiles))
-
-
-def split_chunk(length: int, num_splits: int, block_n: int) -> int:
-    """Tokens per split of a row whose live length is `length` (what the kernels compute on the
-    device): `cdiv(length, num_splits)` rounded up to a whole `block_n`, at least one; the row's
-    live splits are `cdiv(length, chunk) <= num_splits`."""
-    per = -(-max(length, 0) // num_splits)
-    return max(1, -(-per // block_n)) * block_n
-
-
-def _launch_shape(bs: int, rows: int, heads: int, capacity: int, dtype: torch.dtype, *,
-                  kv_heads: int, dv: int, num_splits: int | None, block_n: int | None
-                  ) -> tuple[int, int, int]:
-    """`(row_tiles, num_splits, BLOCK_N)` of a launch over `bs` requests of `rows`
-    query rows and `heads` query heads (`kv_heads` KV heads), values `dv` wide, in a cache of
-    `dtype` whose page table covers `capacity` tokens (shared by the launcher and
-    `programs_with_work`)."""
-    if heads % kv_heads:
-        raise ValueError(f"{heads} query heads do not split into {kv_heads} KV heads")
-    bm_max, bn, _ = tile_config(dtype, dv)
-    block_n = block_n or bn
-    per_kv_head = rows * (heads // kv_heads)  # the kernel's `M * G`
-    row_tiles = -(-per_kv_head // pow2_tile(per_kv_head, hi=bm_max))
-    split_bytes = bs * rows * heads * (dv + 1) * 4
-    S = kv_splits(bs, kv_heads * row_tiles, capacity, block_n, num_splits, split_bytes)
-    return row_tiles, S, block_n
-
-
-def programs_with_work(
-    bs: int, rows: int, heads: int, ctx_len: Sequence[int], width: int, page_size: int,
-    dtype: torch.dtype, *, kv_heads: int, dv: int, num_splits: int | None = None,
-    block_n: int | None = None,
-) -> int:
-    """How many programs of one forward launch read keys (pure Python, no GPU needed).
-
-    The launch covers `bs` requests of `rows` query rows each (MLA: tree queries `Q`; the
-    drafter: block rows `M`) and `heads` query heads per rank, `kv_heads` KV heads (MLA: 1;
-    the drafter: its KV heads per rank), values `dv` wide (MLA: `kv_lora_rank`; the drafter:
-    `head_dim`), a cache of `dtype`, a page table `width` pages of `page_size` tokens wide.
-    `ctx_len` lists the rows' live lengths (rows past its end are padding, length 0). Each
-    request has `kv_heads * row_tiles` programs per live split, `cdiv(L, chunk)` live splits
-    (`split_chunk`); a zero-length row's one program writes an empty result and reads nothing.
-    `num_splits` / `block_n` as the launchers' test knobs. The grid itself is
-    `kv_heads * row_tiles * bs * num_splits` programs whatever the lengths."""
-    if len(ctx_len) > bs:
-        raise ValueError(f"{len(ctx_len)} lengths for a batch of {bs}")
-    capacity = width * page_size
-    row_tiles, S, bn = _launch_shape(bs, rows, heads, capacity, dtype, kv_heads=kv_heads,
-                                        dv=dv, num_splits=num_splits, block_n=block_n)
-    live = 0
-    for n in ctx_len:
-        n = min(max(n, 0), capacity)
-        live += -(-n // split_chunk(n, S, bn))
-    return kv_heads * row_tiles * live
-
-
 def fwd_meta(
     dtype: torch.dtype, device_type: str, *, rows: int, group: int, page_size: int, da: int,
     db: int, dv: int, v_is_a: bool, block_n: int | None = None,
@@ -358,7 +274,7 @@ def _paged_attention(
     if ctx_len.dtype not in (torch.int32, torch.int64):
         raise TypeError(f"ctx_len must be int32 or int64, got {ctx_len.dtype}")
     W = page_table.shape[1]
-    row_tiles, S, block_n = _launch_shape(
+    row_tiles, S, block_n = launch_shape(
         bs, M, NH, W * page_size, cache.dtype, kv_heads=kv_heads, dv=dv, num_splits=num_splits,
         block_n=block_n)
     G = NH // kv_heads

@@ -368,6 +368,14 @@ def moe_flops(T: int, k: int, E: int, H: int, I: int, block: int) -> tuple[int, 
     return T * k * per_row, moe_align_capacity(T * k, E, block) * per_row
 
 
+def fused_workspace_bytes(T: int, k: int, H: int, inter: int, act_bytes: int) -> int:
+    """Bytes the grouped Triton expert kernels (`ops.moe_triton._fused_experts`) allocate
+    beside their output for `T` tokens of `k` experts each, hidden `H`, expert width `inter`:
+    every (token, expert) pair's fp32 output and gate/up rows and its activation row in the
+    input's dtype (`act_bytes`), and the fp32 sum over the `k` slots."""
+    return T * k * (H * 4 + 2 * inter * 4 + inter * act_bytes) + T * H * 4
+
+
 def moe_bytes(T: int, k: int, E: int, H: int, I: int, *, weights: str = "bf16",  # noqa: E741
               act_bytes: int = 2, group_size: int = 32, scale_bytes: int = 2,
               scale_block: tuple[int, int] = (128, 128), block: int = 16) -> dict[str, int]:

@@ -39,8 +39,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ops.moe import moe_align_block_size
+from ops.paged_grid import pow2_tile
 from ops.quant_triton import dequant_gemm
-from ops.triton_util import pow2_tile
 
 
 def _fused_experts(
@@ -49,7 +49,8 @@ def _fused_experts(
     block_n: int, block_k: int,
 ) -> Tensor:
     """Shared launcher for every weight format `fmt` of `dequant_gemm` ("plain", "int4", "fp8"
-    as uint8 bytes), with scales `s13` / `s2` (None for plain) per `scale_block`."""
+    as uint8 bytes), with scales `s13` / `s2` (None for plain) per `scale_block`. What it
+    allocates beside its output: `ops.moe.fused_workspace_bytes`."""
     T, H = x.shape
     k = idx.shape[1]
     if block < 16:

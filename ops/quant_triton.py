@@ -45,7 +45,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from ops.triton_util import ieee_dots, kernel_for, pow2_tile, rne_bf16
+from ops.paged_grid import pow2_tile
+from ops.triton_util import ieee_dots, kernel_for, rne_bf16
 
 
 @triton.jit

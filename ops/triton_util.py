@@ -29,7 +29,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import triton
 
 _INTERPRETED: dict[Any, Any] = {}
 
@@ -60,7 +59,3 @@ def rne_bf16(dtype: torch.dtype, device: torch.device | str) -> bool:
     return torch.device(device).type == "cpu" and dtype == torch.bfloat16
 
 
-def pow2_tile(n: int, lo: int = 16, hi: int | None = None) -> int:
-    """The power of two covering `n`, at least `lo` (`tl.dot` needs 16) and at most `hi`."""
-    p = triton.next_power_of_2(max(n, 1))
-    return max(lo, p if hi is None else min(p, hi))

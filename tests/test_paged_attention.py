@@ -384,11 +384,11 @@ def test_programs_with_work_follow_the_live_context():
     assert counts[-1] == at.MAX_SPLITS
     assert work(KIMI_MLA, 1, [0, 4096, 1]) == work(KIMI_MLA, 1, [4096]) + 1 > 64
     # a prefill chunk of 4,096 tokens: its rows fill the GPU, one split, no partials
-    row_tiles, S, _ = at._launch_shape(1, 4096, 8, LONG_TABLE, torch.bfloat16, kv_heads=1,
+    row_tiles, S, _ = at.launch_shape(1, 4096, 8, LONG_TABLE, torch.bfloat16, kv_heads=1,
                                        dv=512, num_splits=None, block_n=None)
     assert S == 1 and row_tiles * 32 == 4096 * 8
     for q in (16, 64, 256, 1024):
-        _, S, _ = at._launch_shape(1, q, 8, LONG_TABLE, torch.bfloat16, kv_heads=1, dv=512,
+        _, S, _ = at.launch_shape(1, q, 8, LONG_TABLE, torch.bfloat16, kv_heads=1, dv=512,
                                    num_splits=None, block_n=None)
         assert S == 1 or S * q * 8 * 513 * 4 <= at.MAX_PARTIAL_BYTES
 
@@ -457,7 +457,7 @@ def test_kernels_split_by_live_length_equal_twins(monkeypatch, kernel, num_split
     (_, plse, _), = rec.partials
     (grid, kwargs), = rec.launches
     S = grid[2]
-    auto = at._launch_shape(len(lens), rows, H, width * ps, torch.float32, kv_heads=kvh, dv=dv,
+    auto = at.launch_shape(len(lens), rows, H, width * ps, torch.float32, kv_heads=kvh, dv=dv,
                             num_splits=None, block_n=bn)[1]
     assert S == (num_splits or auto) and auto > 3
     wrote = _wrote(plse, kwargs, kvh)

@@ -11,6 +11,7 @@ import pytest
 from graphs import plan
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+MODELS = CONFIGS.parent / "models"
 
 
 def _plan(tmp_path: Path, *args: str) -> dict:
@@ -119,12 +120,17 @@ def test_tune_needs_the_accepted_lengths(capsys):
 
 
 def test_the_plan_says_the_pool_the_engine_allocates(tmp_path, capsys):
-    """The memory table sizes the KV pool with the engine's rule (`engine.memory`) and its
-    default flags, and the measured step stays within the engine's activation reserve."""
+    """The memory table sizes the KV pool with the engine's rule (`engine.memory`), its default
+    flags and its widest captured step (the shipped CUDA budget policy), and the activations it
+    measures (every captured step at the largest batch size, sampled variants included, and a
+    prefill chunk at CUDA's default) stay within the engine's activation reserve for them."""
     from engine.config import EngineConfig
-    from engine.memory import GPU_MEMORY_UTILIZATION, size_kv_pool
+    from engine.kv_cache import pages_needed
+    from engine.memory import GPU_MEMORY_UTILIZATION, PREFILL_CHUNK, size_kv_pool
+    from engine.policy import load_budgets, policy_path
 
-    r = _plan(tmp_path, "--model", str(CONFIGS / "kimi-k2.5-text"), "--tp", "8")
+    r = _plan(tmp_path, "--model", str(CONFIGS / "kimi-k2.5-text"), "--draft",
+              str(CONFIGS / "kimi-k2.5-dflash"), "--tp", "8")
     engine = EngineConfig()
     assert r["max_batch_size"] == engine.max_batch_size
     assert r["gpu_memory_utilization"] == engine.gpu_memory_utilization == GPU_MEMORY_UTILIZATION
@@ -137,6 +143,30 @@ def test_the_plan_says_the_pool_the_engine_allocates(tmp_path, capsys):
         max_model_len=r["max_model_len"], pages_per_context=r["kv_pages_per_context"],
         max_batch_size=engine.max_batch_size)
     assert r["kv_tokens"] == want.tokens and r["full_context_requests"] == want.contexts >= 1
-    assert r["reserve_warning"] is None
-    assert r["step_workspace_bytes"] <= r["activation_reserve_bytes"]["step"]
+    # the policy's widest budget at any size sets the page tables' width (a step emits at most
+    # the drafter's block of 8)
+    most = max(b for t in load_budgets(policy_path("cuda")).values() for b in t.values())
+    assert r["budget"] == most
+    assert r["kv_pages_per_context"] == pages_needed(262144 + min(most + 1, 8), page)
+    steps = r["step_workspace_by_kind"]
+    assert {"greedy", "mixed sort", "sampled/lagging sort"} <= set(steps)
+    assert r["step_workspace_bytes"] == max(steps.values()) > steps["greedy"]
+    assert r["prefill_chunk"] == PREFILL_CHUNK["cuda"]
+    reserve = r["activation_reserve_bytes"]
+    assert r["step_workspace_bytes"] <= reserve["step"]
+    assert 0 < r["prefill_activation_bytes"] <= reserve["prefill"]
+    assert r["reserve_warnings"] == []
     assert f"engine's KV pool   {want.tokens:,} tokens" in capsys.readouterr().out
+
+
+def test_the_plan_warns_when_a_measured_activation_outgrows_the_engines_estimate(
+        tmp_path, capsys, monkeypatch):
+    """Each part of the engine's reserve is checked against what the plan measures for it."""
+    import engine.memory
+
+    monkeypatch.setattr(engine.memory, "step_activation_bytes", lambda **kw: 0)
+    r = _plan(tmp_path, "--model", str(MODELS / "kimi-mini"), "--draft",
+              str(MODELS / "kimi-mini-dflash"), "--prefill-chunk", "64", "--max-batch-size", "2")
+    assert r["activation_reserve_bytes"]["step"] == 0 < r["step_workspace_bytes"]
+    assert any("step_activation_bytes" in w for w in r["reserve_warnings"])
+    assert "warning            the measured step activations" in capsys.readouterr().out
