@@ -90,11 +90,13 @@ from graphs.rehearse import (
     DeviceMode,
     Tally,
     engine_shapes,
+    is_launch,
     rehearse_prefill,
     rehearse_step,
     step_kinds,
 )
 from ops.moe import moe_bytes, moe_flops
+from ops.paged_grid import programs_with_work
 from ops.quant import fp8_linear_bytes
 
 
@@ -188,7 +190,10 @@ def _bytes(x: Any) -> int:
 class CostMode(TorchDispatchMode):
     """Bytes each op reads and writes, and the FLOPs and padding `FlopCounterMode` cannot see:
     views move nothing, gathers read only what they pick, scatters write only what they put;
-    the kimi:: ops by their formulas, attention over `context` tokens a row."""
+    the kimi:: ops by their formulas, attention over `context` tokens a row. Also the kernel
+    launches (`graphs.rehearse.is_launch`) and, per paged attention kernel, the programs of
+    one launch that have work at `context` tokens a row (`ops.paged_grid.programs_with_work`:
+    the Triton kernels split each row's live keys)."""
 
     def __init__(self, context: int):
         super().__init__()
@@ -196,6 +201,8 @@ class CostMode(TorchDispatchMode):
         self.bytes = 0
         self.attention_flops = 0
         self.padding_flops = 0
+        self.launches = 0
+        self.programs: dict[str, int] = {"mla_prefix": 0, "draft_context": 0}
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None
                            ) -> Any:
@@ -203,6 +210,7 @@ class CostMode(TorchDispatchMode):
         name = func._overloadpacket.__name__
         ns = func.namespace
         self.bytes += self._cost(ns, name, func, args, out)
+        self.launches += is_launch(func)
         return out
 
     def _cost(self, ns: str, name: str, func: Any, args: Any, out: Any) -> int:
@@ -233,14 +241,20 @@ class CostMode(TorchDispatchMode):
             return fp8_linear_bytes(math.prod(x.shape[:-1]), w.shape[0], w.shape[1],
                                     x.element_size())
         if name == "mla_prefix_attention":
-            q_lat, q_pe, kv = args[0], args[1], args[2]
+            q_lat, q_pe, kv, table, page_size = args[0], args[1], args[2], args[3], args[5]
             bs, Q, heads, R = q_lat.shape
+            self.programs["mla_prefix"] = programs_with_work(
+                bs, Q, heads, [self.context] * bs, table.shape[1], page_size, kv.dtype,
+                kv_heads=1, dv=R)
             self.attention_flops += 2 * bs * Q * heads * self.context * (R + q_pe.shape[-1] + R)
             return _bytes((q_lat, q_pe, out)) + bs * self.context * kv.shape[-1] * \
                 kv.element_size()
         if name == "draft_context_attention":
-            q, cache = args[0], args[1]
+            q, cache, table, page_size = args[0], args[1], args[2], args[4]
             bs, M, nh, hd = q.shape
+            self.programs["draft_context"] = programs_with_work(
+                bs, M, nh, [self.context] * bs, table.shape[1], page_size, cache.dtype,
+                kv_heads=cache.shape[-1] // (2 * hd), dv=hd)
             self.attention_flops += 4 * bs * M * nh * self.context * hd
             return _bytes((q, out)) + bs * self.context * cache.shape[-1] * cache.element_size()
         raise NotImplementedError(f"no cost formula for kimi::{name}")
@@ -305,14 +319,69 @@ def run_step(models: Models, shape: StepShape, bs: int, max_pages: int, page_siz
     flops = FlopCounterMode(display=False)
     with no_drafter(models, models.target.cfg.vocab_size), flops, cost, peak:
         spec_step(models, pool, buf, shape)
+    return {**_counts(models, flops, cost), "peak_activation_bytes": peak.peak,
+            "attention_programs": dict(cost.programs)}
+
+
+def _counts(models: Models, flops: FlopCounterMode, cost: CostMode) -> dict[str, Any]:
+    """What a forward under `flops` and `cost` did: FLOPs (useful, and executed with the
+    grouped experts' padding), bytes, launches and this rank's collectives since the last
+    `comm.reset()`."""
     useful = flops.get_total_flops() + cost.attention_flops
     comm = models.tp.comm if models.tp is not None else None
     return {"flops": useful, "executed_flops": useful + cost.padding_flops, "bytes": cost.bytes,
+            "launches": cost.launches,
             "allreduce_bytes": comm.bytes.get("all_reduce", 0) if comm else 0,
             "allreduce_calls": comm.calls.get("all_reduce", 0) if comm else 0,
             "collective_bytes": sum(comm.bytes.values()) if comm else 0,
-            "collective_calls": sum(comm.calls.values()) if comm else 0,
-            "peak_activation_bytes": peak.peak}
+            "collective_calls": sum(comm.calls.values()) if comm else 0}
+
+
+def prefill_costs(a: argparse.Namespace, models: Models, dtype: torch.dtype, gpus: list[str]
+                  ) -> list[dict[str, Any]]:
+    """The cost of prefilling one prompt of each `--prompt-lens`, alone, in the engine's chunks
+    of `--prefill-chunk` (default: CUDA's) with the grouped expert pass: the first chunk's
+    causal forward, and each later chunk's absorbed forward over the context before it. A
+    later chunk costs what it does at any context plus what its attention reads of that
+    context, linear in it: measured at one and two chunks of context, summed over the chunks
+    (the last one counted whole)."""
+    c = a.prefill_chunk or default_prefill_chunk("cuda")
+    pool = models.kv_pool(a.page_size, 1 + pages_needed(3 * c, a.page_size), dtype, "meta")
+    pages = list(range(1, pool.num_pages))
+
+    def chunk(start: int, n: int = c) -> dict[str, Any]:
+        if models.tp is not None:
+            models.tp.comm.reset()
+        cost, flops = CostMode(start), FlopCounterMode(display=False)
+        with flops, cost:
+            if start == 0:
+                spec.prefill(models, pool, [[0] * n], [pages], expert_pass=_aligned)
+            else:
+                spec.prefill_chunk(models, pool, [0] * n, start, pages, _aligned)
+        return _counts(models, flops, cost)
+
+    firsts = {n: chunk(0, n) for n in sorted({min(n, c) for n in a.prompt_lens})}
+    one, two = (chunk(c), chunk(2 * c)) if max(a.prompt_lens) > c else ({}, {})
+    rows = []
+    for n in a.prompt_lens:
+        k = -(-n // c)
+        first = firsts[min(n, c)]
+        # later chunks i = 1 .. k - 1 at context i * c: (k - 1) x one + (sum of i - 1) x slope
+        steps = k * (k - 1) // 2 - (k - 1)
+        r: dict[str, Any] = {"prompt_len": n, "chunk": c, "chunks": k}
+        for key, v in first.items():
+            if k == 1:
+                r[key] = v
+                continue
+            r[key] = v + (k - 1) * one[key] + steps * (two[key] - one[key])
+        r["seconds"] = {g: roofline(r, GPUS[g], a.tp) for g in gpus}
+        rows.append(r)
+    return rows
+
+
+def _aligned(n: int) -> str:
+    """The grouped expert pass, as prefills run it on CUDA."""
+    return "aligned"
 
 
 def shape_cost(a: argparse.Namespace, models: Models, shape: StepShape, bs: int,
@@ -685,6 +754,7 @@ def main(argv: list[str] | None = None) -> int:
         result["context"] = a.context
         result["accept_len"] = a.accept_len
         result["rows"] = costs(a, models, dtype, gpus)
+        result["prefill_rows"] = prefill_costs(a, models, dtype, gpus)
         result["note"] = None if a.draft else \
             "no --draft: tree rows cost the target's verify, build, decide and commit alone"
         print(cost_table(result, gpus))
@@ -784,16 +854,28 @@ def rehearsal_table(r: dict[str, Any]) -> str:
 
 def cost_table(r: dict[str, Any], gpus: list[str]) -> str:
     head = (f"{'mode':>5} {'bs':>4} {'budget':>6} {'GFLOP':>9} {'exec GFLOP':>10} {'GB':>7} "
-            f"{'allred MB':>9} " + " ".join(f"{g + ' ms':>14} {'x ar':>6}" for g in gpus))
+            f"{'allred MB':>9} {'launches':>8} {'attn progs':>10} "
+            + " ".join(f"{g + ' ms':>14} {'x ar':>6}" for g in gpus))
     lines = [f"step cost per rank, context {r['context']} tokens a row, accepted length "
              f"{r['accept_len']} for the speed-ups" + (f" ({r['note']})" if r["note"] else ""),
-             head]
+             "(attn progs: programs with work per launch, MLA prefix / drafter context)", head]
     for x in r["rows"]:
         cells = " ".join(f"{x['seconds'][g] * 1e3:14.3f} {x.get('speedup', {}).get(g, 1.0):6.2f}"
                          for g in gpus)
+        progs = "{mla_prefix}/{draft_context}".format(**x["attention_programs"])
         lines.append(f"{x['mode']:>5} {x['batch_size']:>4} {x['budget']:>6} "
                      f"{x['flops'] / 1e9:9.1f} {x['executed_flops'] / 1e9:10.1f} "
-                     f"{x['bytes'] / 1e9:7.2f} {x['allreduce_bytes'] / 1e6:9.1f} {cells}")
+                     f"{x['bytes'] / 1e9:7.2f} {x['allreduce_bytes'] / 1e6:9.1f} "
+                     f"{x['launches']:>8,} {progs:>10} {cells}")
+    pre = r.get("prefill_rows") or []
+    if pre:
+        lines += ["", f"prefill cost per rank, one prompt alone in chunks of {pre[0]['chunk']:,}",
+                  f"{'prompt':>8} {'chunks':>6} {'TFLOP':>9} {'GB':>8} {'launches':>10} "
+                  + " ".join(f"{g + ' ms':>12}" for g in gpus)]
+        for x in pre:
+            lines.append(f"{x['prompt_len']:>8,} {x['chunks']:>6} {x['flops'] / 1e12:9.1f} "
+                         f"{x['bytes'] / 1e9:8.1f} {x['launches']:>10,} "
+                         + " ".join(f"{x['seconds'][g] * 1e3:12.1f}" for g in gpus))
     return "\n".join(lines)
 
 

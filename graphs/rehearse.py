@@ -68,6 +68,12 @@ COPIES = frozenset({"_to_copy", "to", "copy_", "copy"})
 # Indexing that syncs only with a boolean mask (it runs `nonzero` first).
 INDEXING = frozenset({"index", "index_put", "index_put_", "_index_put_impl_"})
 SCALAR_READS = frozenset({"_local_scalar_dense", "item", "equal", "is_nonzero"})
+def is_launch(func: Any) -> bool:
+    """Whether an op launches a kernel on a GPU: each kimi:: op, and every aten op that is
+    neither a view nor allocation or metadata alone (`NO_KERNEL`)."""
+    return _Op.of(func).launch
+
+
 def kernel_workspace(name: str, args: Any) -> int:
     """Bytes the CUDA kernel behind `kimi::<name>` allocates beside its output, which its fake
     kernel (shapes only) does not: the fused experts' pair rows

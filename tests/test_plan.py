@@ -48,7 +48,7 @@ def test_step_cost_follows_the_live_work(tmp_path):
     distinct experts per MoE layer as stored, the live KV), the same whatever the context
     limit; the block padding shows in executed FLOPs, not in useful ones."""
     args = ["--model", str(CONFIGS / "kimi-k2.5-text"), "--tp", "8", "--cost", "--batch-sizes",
-            "1", "--budgets", "16", "--context", "4096"]
+            "1", "--budgets", "16", "--context", "4096", "--prompt-lens", "64"]
     short = _plan(tmp_path, *args, "--max-model-len", "8192")
     long = _plan(tmp_path, *args, "--max-model-len", "262144")
     tree = {r["mode"]: r for r in long["rows"]}["tree"]
@@ -64,6 +64,26 @@ def test_step_cost_follows_the_live_work(tmp_path):
     assert tree["allreduce_bytes"] == 2 * 61 * 17 * 7168 * 2 + 17 * 7168 * 2  # + embedding
     ar = {r["mode"]: r for r in long["rows"]}["ar"]
     assert ar["bytes"] < tree["bytes"] and tree["speedup"]["H200"] > 0
+
+
+def test_cost_rows_count_launches_attention_programs_and_prefills(tmp_path, capsys):
+    """The bundled pair's configs: each step row says its launches and the paged attention
+    programs with work at the context (the drafter's too in tree mode), and each prompt length
+    gets a prefill row in the engine's chunks, whose cost grows with the chunks' context."""
+    r = _plan(tmp_path, "--model", str(MODELS / "kimi-mini"), "--draft",
+              str(MODELS / "kimi-mini-dflash"), "--cost", "--batch-sizes", "1", "--budgets", "8",
+              "--context", "4096", "--prompt-lens", "300,1000,1500", "--prefill-chunk", "512")
+    rows = {x["mode"]: x for x in r["rows"]}
+    assert rows["tree"]["attention_programs"]["mla_prefix"] >= 64
+    assert rows["tree"]["attention_programs"]["draft_context"] >= 64
+    assert rows["ar"]["attention_programs"]["draft_context"] == 0
+    assert rows["tree"]["launches"] > rows["ar"]["launches"] > 0
+    pre = {x["prompt_len"]: x for x in r["prefill_rows"]}
+    assert [pre[n]["chunks"] for n in (300, 1000, 1500)] == [1, 2, 3]
+    assert pre[300]["flops"] < pre[1000]["flops"] < pre[1500]["flops"]
+    assert pre[1500]["launches"] > pre[1000]["launches"] > pre[300]["launches"]
+    out = capsys.readouterr().out
+    assert "attn progs" in out and "prefill cost per rank" in out
 
 
 def test_kimi_k2_fp8_step_reads_only_the_routed_experts(tmp_path):
