@@ -24,6 +24,7 @@ from pydantic import (
     ConfigDict,
     Field,
     ValidationError,
+    field_validator,
     model_validator,
 )
 from pydantic.dataclasses import dataclass as checked_dataclass
@@ -426,7 +427,14 @@ SAMPLING_EPS = 1e-5
 MAX_SEED = 2**64 - 1
 Seed = Annotated[int, Field(ge=-(2**63), le=MAX_SEED)]  # what a 64-bit seed holds
 StopString = Annotated[str, Field(min_length=1)]
+# OpenAI's bounds: at most 300 biased tokens, each by -100 to 100; at most 20 top log-probs.
+MAX_LOGIT_BIAS = 300
+MAX_TOP_LOGPROBS = 20
+TokenId = Annotated[int, Field(ge=0, le=2**63 - 1)]
+LogitBias = Annotated[float, Field(ge=-100, le=100, allow_inf_nan=False)]
+TopLogprobs = Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)]
 _STRICT = ConfigDict(strict=True)
+_NO_FLAG = {"cli": False}  # a field `add_cli_args` makes no flag of
 _AS_TUPLE = BeforeValidator(lambda v: tuple(v) if isinstance(v, list) else v)  # TOML arrays
 # A memory size as given (`16GB`, `8GiB`, bytes), checked here and read by `engine.memory`.
 MemorySize = Annotated[
@@ -446,6 +454,29 @@ class SamplingParams:
     seed: Seed | None = Field(None, description="seed of the request's coins")
     ignore_eos: bool = Field(False, description="keep going past end-of-sequence tokens")
     stop: tuple[StopString, ...] = Field((), description="stop strings")
+    # Not flags of `engine.generate`: set by the server or the Python API.
+    logit_bias: Annotated[tuple[tuple[TokenId, LogitBias], ...],
+                          Field(max_length=MAX_LOGIT_BIAS)] = Field(
+        (), description="(token id, bias) pairs: the bias is added to the token's logit before "
+                        "each token is chosen, greedy or sampled", json_schema_extra=_NO_FLAG)
+    logprobs: TopLogprobs | None = Field(
+        None, description="report each new token's log-probability and those of this many most "
+                          "likely tokens (None: none)", json_schema_extra=_NO_FLAG)
+    prompt_logprobs: TopLogprobs | None = Field(
+        None, description="report the prompt tokens' log-probabilities too, with this many "
+                          "most likely tokens' (None: none)", json_schema_extra=_NO_FLAG)
+    grammar: str | None = Field(
+        None, description="an llguidance grammar (Lark text, or its JSON form: "
+                          "`engine.grammar`) every output must match", json_schema_extra=_NO_FLAG)
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _one_bias_per_token(cls, v: tuple[tuple[int, float], ...]
+                            ) -> tuple[tuple[int, float], ...]:
+        ids = [t for t, _ in v]
+        if len(set(ids)) != len(ids):
+            raise ValueError("a token id is biased twice")
+        return v
 
     @property
     def greedy(self) -> bool:

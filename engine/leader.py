@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine.dist import Group
-from engine.runner import PrefillInputs, StepGraphRunner, StepInputs
+from engine.runner import Logprob, PrefillInputs, StepGraphRunner, StepInputs
 
 
 @dataclass
@@ -25,6 +25,13 @@ class Prefill:
 class Step:
     inputs: StepInputs
     pad: bool
+
+
+@dataclass
+class PromptLogprobs:
+    tokens: list[int]
+    pages: list[int]
+    top: int
 
 
 @dataclass
@@ -54,6 +61,11 @@ class AnnouncingRunner:
         self.tp.send(Step(inp, pad))
         return self.inner.step(inp, pad)
 
+    def prompt_logprobs(self, tokens: list[int], pages: list[int], top: int
+                        ) -> list[Logprob | None]:
+        self.tp.send(PromptLogprobs(tokens, pages, top))
+        return self.inner.prompt_logprobs(tokens, pages, top)
+
 
 def follow(tp: Group, runner: StepGraphRunner) -> End | Stop:
     """A follower's loop: make the leader's model calls until it sends `End` or `Stop`."""
@@ -63,6 +75,8 @@ def follow(tp: Group, runner: StepGraphRunner) -> End | Stop:
             runner.prefill(cmd.inputs)
         elif isinstance(cmd, Step):
             runner.step(cmd.inputs, cmd.pad)
+        elif isinstance(cmd, PromptLogprobs):
+            runner.prompt_logprobs(cmd.tokens, cmd.pages, cmd.top)
         elif isinstance(cmd, End | Stop):
             return cmd
         else:

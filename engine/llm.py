@@ -16,6 +16,7 @@ import torch
 from engine.config import DEFAULT_BUDGET, EngineConfig, ModelConfig, SamplingParams
 from engine.cpu import gemm_layout
 from engine.dist import Group
+from engine.grammar import Grammars
 from engine.kv_cache import pages_needed
 from engine.leader import AnnouncingRunner, End, Stop, follow
 from engine.memory import (
@@ -34,7 +35,7 @@ from engine.models.dflash import DFlashDrafter
 from engine.models.kimi import KimiForCausalLM
 from engine.policy import default_policy, load_budgets
 from engine.request import Request
-from engine.runner import PhaseTimer, StepGraphRunner
+from engine.runner import Logprob, PhaseTimer, StepGraphRunner
 from engine.scheduler import Scheduler
 from engine.spec import Models, StepShape
 from engine.tokenizer import Tokenizer
@@ -176,6 +177,10 @@ class GenerationOutput:
     finish_reason: str
     num_steps: int
     accept_lengths: list[int] = field(default_factory=list)
+    # When the sampling params ask (`logprobs`, `prompt_logprobs`): per output token, and per
+    # prompt token (None for the first).
+    logprobs: list[Logprob] | None = None
+    prompt_logprobs: list[Logprob | None] | None = None
 
 
 class LLM:
@@ -248,7 +253,8 @@ class LLM:
             runner, num_pages=num_pages, page_size=cfg.page_size, vocab_size=mc.vocab_size,
             prefill_chunk=prefill_chunk(cfg, device),
             max_batch_size=cfg.max_batch_size, max_model_len=self.max_model_len,
-            stop_ids=stop_ids, detok=self.decode if self.tokenizer else None)
+            stop_ids=stop_ids, detok=self.decode if self.tokenizer else None,
+            grammars=Grammars(self.tokenizer, mc.vocab_size) if self.tokenizer else None)
         self.stats: dict[str, Any] = {}
         self._next_id = 0
 
@@ -443,7 +449,8 @@ class LLM:
         if r.text_end is not None:
             text = text[: r.text_end]
         return GenerationOutput(i, r.prompt_ids, list(r.output_ids), text, r.finish_reason or "",
-                                r.num_steps, list(r.accept_lengths))
+                                r.num_steps, list(r.accept_lengths), r.logprobs,
+                                r.prompt_logprobs)
 
     # ---- tensor parallelism ------------------------------------------------------------------
 

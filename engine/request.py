@@ -4,8 +4,13 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from engine.config import SamplingParams
+from engine.grammar import Matcher
+
+if TYPE_CHECKING:
+    from engine.runner import Logprob
 
 
 @dataclass
@@ -21,6 +26,13 @@ class Request:
     accept_lengths: list[int] = field(default_factory=list)  # tokens emitted per step
     finish_reason: str | None = None
     text_end: int | None = None  # where a stop string cut the text, if one did
+    # The grammar's state after the output so far, when the params have a grammar (made when
+    # the scheduler checks the request).
+    matcher: Matcher | None = field(default=None, repr=False)
+    # When the params ask: each output token's log-probabilities, and each prompt token's
+    # (None for the first), once the prompt is cached.
+    logprobs: list[Logprob] | None = field(default=None, repr=False)
+    prompt_logprobs: list[Logprob | None] | None = field(default=None, repr=False)
     rng: random.Random = field(init=False, repr=False)
     drawn: list[float] = field(init=False, repr=False)  # coins of output positions 0, 1, ...
 
@@ -30,6 +42,8 @@ class Request:
         seed = self.params.seed if self.params.seed is not None else random.getrandbits(63)
         self.rng = random.Random(seed)
         self.drawn = []
+        if self.logprobs is None and self.params.logprobs is not None:
+            self.logprobs = []
 
     @property
     def anchor(self) -> int:
@@ -48,6 +62,9 @@ class Request:
         c.cache_len, c.fed = self.cache_len, self.fed
         c.rng.setstate(self.rng.getstate())
         c.drawn = list(self.drawn)
+        c.matcher = self.matcher.copy() if self.matcher is not None else None
+        if self.logprobs is not None:
+            c.logprobs = list(self.logprobs)
         return c
 
     def coins(self, n: int) -> list[float]:

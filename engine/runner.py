@@ -29,6 +29,7 @@ from engine.cpu import COMPILE_HINT, CompiledCPUSteps, eager_expert_pass
 from engine.kv_cache import DUMMY_PAGE, KVPool
 from engine.policy import budgets_for_sizes
 from engine.spec import (
+    ADJUST_INPUTS,
     PADDING,
     ExpertPass,
     Models,
@@ -37,8 +38,10 @@ from engine.spec import (
     catch_up,
     prefill,
     prefill_chunk,
+    prompt_logprobs,
     spec_step,
 )
+from ops.logits import MIN_LOGPROB, mask_
 from ops.sampling import TOPK_BOUND, row_promises, sample_from_probs, target_probs
 
 # A step is "greedy" (no row samples), "sampled" (most rows sample: the sampled budget) or
@@ -78,6 +81,10 @@ class StepInputs:
     coins: list[list[float]]
     lag: list[list[int]] = field(default_factory=list)
     lagging: bool = False  # some row's drafter cache lags (`step_shape`)
+    # Each row's grammar mask of its next token (an int32 numpy bitmask of ceil(V / 32) words,
+    # `ops.logits`'s layout), None for a row without a grammar; empty: no row has one. A row
+    # with a mask decodes plainly: one token a step, drawn from its masked root.
+    masks: list[Any] = field(default_factory=list)
 
 
 @dataclass
@@ -91,6 +98,25 @@ class PrefillInputs:
     params: SamplingParams | None = None
     coin: float = 0.0
     start: int = 0
+    mask: Any = None  # the grammar's mask of that token (as in `StepInputs.masks`), if any
+
+
+@dataclass(frozen=True)
+class Logprob:
+    """A token's log-probability under the target (the log-softmax of its logits, before the
+    temperature, the bias and top-k / top-p, as vLLM reports by default; a grammar's mask
+    applied), and the most likely tokens' there, most likely first, as many as the request
+    asked. Tokens a grammar rules out are at MIN_LOGPROB."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+def _logprob(token: int, logprob: float, top: Sequence[float], ids: Sequence[int], k: int
+             ) -> Logprob:
+    return Logprob(token, max(logprob, MIN_LOGPROB),
+                   tuple((i, max(v, MIN_LOGPROB)) for i, v in zip(ids[:k], top[:k])))
 
 
 def default_capture_sizes(max_batch_size: int) -> list[int]:
@@ -197,6 +223,10 @@ class StepGraphRunner:
         self.graphs: dict[tuple[int, StepShape], Any] = {}
         # (batch size, shape) -> {"seconds": capture wall time, "bytes": pool growth}
         self.capture_stats: dict[tuple[int, StepShape], dict[str, float]] = {}
+        self.mem_pool: Any = None  # the graphs' memory pool (`capture`)
+        # The log-probabilities of the last call's rows (`step`) or inputs (`prefill`): for
+        # each one whose params ask, a `Logprob` per token it emitted; None for the others.
+        self.last_logprobs: list[list[Logprob] | None] = []
 
     def shapes_of(self, bs: int) -> list[StepShape]:
         """The distinct step shapes of one batch size (one graph each): with graphs, every
@@ -254,12 +284,15 @@ class StepGraphRunner:
     def _new_pool(self) -> Any:
         return torch.cuda.graph_pool_handle()
 
-    def _capture_one(self, bs: int, shape: StepShape, mem_pool: Any) -> Any:
-        """Warm up twice on a side stream, then capture one graph into `mem_pool`."""
+    def _capture_one(self, bs: int, shape: StepShape, mem_pool: Any, pad: bool = True) -> Any:
+        """Warm up twice on a side stream, then capture one graph into `mem_pool`; every row
+        padding, or with `pad` False over the inputs loaded for the step about to replay it
+        (a step run again over the same inputs writes the same values)."""
         host, buf = self.staging[bs], self.buffers[bs].fit(shape)
         moe = self.expert_pass(bs * shape.num_nodes)
-        _pad(buf.inputs(), 0)
-        _pad(host, 0)
+        if pad:
+            _pad(buf.inputs(), 0)
+            _pad(host, 0)
         self.models.attention.plan(host["page_table"], host["cache_len"], shape.num_nodes)
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
@@ -296,7 +329,7 @@ class StepGraphRunner:
         gc.freeze()
         bs, shape = todo[0]
         try:
-            mem_pool = self._new_pool()
+            self.mem_pool = mem_pool = self._new_pool()
             for bs, shape in tqdm(todo, desc="capturing step graphs", disable=not progress):
                 t0, m0 = time.perf_counter(), self._reserved()
                 self.graphs[(bs, shape)] = self._capture_one(bs, shape, mem_pool)
@@ -347,6 +380,7 @@ class StepGraphRunner:
         (`engine.spec.prefill_chunk`); for each with `params`, the next token (drawn with its
         `coin` unless greedy)."""
         out: list[int | None] = [None] * len(inps)
+        self.last_logprobs = [None] * len(inps)
         head = [i for i, inp in enumerate(inps) if inp.start == 0]
         if head:
             tokens, pages = [inps[i].tokens for i in head], [inps[i].pages for i in head]
@@ -356,20 +390,42 @@ class StepGraphRunner:
                 logits = prefill(self.models, self.pool, tokens, pages,
                                  expert_pass=self.eager_pass)
             for i, row in zip(head, logits):
-                out[i] = self._first(row, inps[i].params, inps[i].coin)
+                out[i], self.last_logprobs[i] = self._first(row, inps[i])
         for i, inp in enumerate(inps):
             if inp.start > 0:
                 row = prefill_chunk(self.models, self.pool, inp.tokens, inp.start, inp.pages,
                                     self.eager_pass, logits=inp.params is not None)
-                out[i] = self._first(row, inp.params, inp.coin)
+                out[i], self.last_logprobs[i] = self._first(row, inp)
         return out
 
     @staticmethod
-    def _first(logits: Tensor | None, p: SamplingParams | None, coin: float) -> int | None:
-        """The token drawn from last-position `logits [V]` with `p` and uniform `coin` (None
-        without `p`: no token wanted)."""
+    def _first(logits: Tensor | None, inp: PrefillInputs
+               ) -> tuple[int | None, list[Logprob] | None]:
+        """The token drawn from last-position `logits [V]` with `inp`'s params, its uniform
+        `coin`, its bias and its grammar's mask (None without params: no token wanted), and
+        its `Logprob` when the params ask."""
+        p = inp.params
         if p is None or logits is None:
-            return None
+            return None, None
+        logits = logits.float().clone()
+        dev = logits.device
+        if inp.mask is not None:
+            mask_(logits[None], torch.from_numpy(inp.mask).to(dev)[None])
+        raw = logits.clone() if p.logprobs is not None and p.logit_bias else logits
+        if p.logit_bias:
+            ids, values = zip(*p.logit_bias)
+            logits.index_add_(0, torch.tensor(ids, device=dev), torch.tensor(values, device=dev))
+        token = StepGraphRunner._draw(logits, p, inp.coin)
+        if p.logprobs is None:
+            return token, None
+        lp = torch.log_softmax(raw, -1)
+        top = lp.topk(min(p.logprobs, lp.shape[-1]))
+        return token, [_logprob(token, float(lp[token]), top.values.tolist(),
+                                top.indices.tolist(), p.logprobs)]
+
+    @staticmethod
+    def _draw(logits: Tensor, p: SamplingParams, coin: float) -> int:
+        """The token drawn from `logits [V]` with `p` and uniform `coin`."""
         if p.greedy:
             return int(logits.argmax())
         dev, (top_k, top_p) = logits.device, _cut(p)
@@ -407,6 +463,10 @@ class StepGraphRunner:
             shape = replace(shape, **promise)
         if not fixed:
             shape = replace(shape, host_reads=True)
+        masks = inp.masks or [None] * b
+        adjust = any(x.logit_bias for x in inp.params) or any(m is not None for m in masks)
+        shape = replace(shape, adjust=adjust,
+                        logprobs=any(x.logprobs is not None for x in inp.params))
         width = self.max_pages
         if not self.use_graphs:
             # Gather only as much context as this batch has (a captured graph needs the full
@@ -433,8 +493,15 @@ class StepGraphRunner:
         host["top_p"][:b] = torch.tensor([q for _, q in cuts])
         if shape.sample:  # a greedy step reads no coins
             host["coins"][:b, :S] = coins[:, :S]
-        _pad(host, b)
-        for k, dst in self.buffers[size].inputs().items():
+        # NOTE: a step that does not adjust reads none of the adjustment buffers, so they are
+        # neither staged nor copied: a grammar's mask is ceil(V / 32) words a row.
+        keys = [k for k in PADDING if shape.adjust or k not in ADJUST_INPUTS]
+        if shape.adjust:
+            _stage_adjustments(host, p, masks)
+        _pad(host, b, keys)
+        dsts = self.buffers[size].inputs()
+        for k in keys:
+            dst = dsts[k]
             if dst is not host[k]:
                 dst.copy_(host[k], non_blocking=True)
         return buf, shape, width
@@ -449,7 +516,15 @@ class StepGraphRunner:
                                            shape.num_nodes)
         if self.use_graphs:
             with self.timer("step"):
-                self.graphs[(bs, shape)].replay()
+                graph = self.graphs.get((bs, shape))
+                if graph is None:
+                    # NOTE: the variants that adjust logits or report log-probabilities are
+                    # captured when a batch first needs one, over its loaded inputs, into the
+                    # graphs' pool: capturing each at start would multiply the graphs by four.
+                    self.mem_pool = self.mem_pool or self._new_pool()
+                    graph = self.graphs[(bs, shape)] = self._capture_one(
+                        bs, shape, self.mem_pool, pad=False)
+                graph.replay()
         elif self.compiled is not None:
             with self.timer("step"):
                 self.compiled.run(buf, shape, width)
@@ -471,11 +546,38 @@ class StepGraphRunner:
                                  expert_pass=self.eager_pass)
         self.run_loaded(buf, shape, width)
         with self.timer("host"):
-            # NOTE: the only device-to-host copy of a step: the small decision tensors.
+            # NOTE: the only device-to-host copy of a step: the small decision tensors (and
+            # the log-probabilities, when some row asks for them).
             out = torch.cat([buf.accept_len[:b, None], buf.emit[:b]], dim=1).cpu()
-        accept = out[:, 0].tolist()
-        emit = out[:, 1:].tolist()
-        return [e[: a + 1] for e, a in zip(emit, accept)], accept
+            accept = out[:, 0].tolist()
+            emit = [e[: a + 1] for e, a in zip(out[:, 1:].tolist(), accept)]
+            self.last_logprobs = [None] * b
+            if shape.logprobs:
+                self._read_logprobs(buf, inp.params, emit)
+        return emit, accept
+
+    def _read_logprobs(self, buf: StepBuffers, params: Sequence[SamplingParams],
+                       emit: Sequence[Sequence[int]]) -> None:
+        """`last_logprobs` of the rows whose `params` ask, from a step's `lp_*` outputs."""
+        b = len(params)
+        lp = torch.cat([buf.lp_token[:b, :, None], buf.lp_top[:b]], 2).cpu().tolist()
+        ids = buf.lp_top_ids[:b].cpu().tolist()
+        for r, p in enumerate(params):
+            if p.logprobs is not None:
+                self.last_logprobs[r] = [_logprob(t, lp[r][j][0], lp[r][j][1:], ids[r][j],
+                                                  p.logprobs) for j, t in enumerate(emit[r])]
+
+    @torch.no_grad()
+    def prompt_logprobs(self, tokens: Sequence[int], pages: Sequence[int], top: int
+                        ) -> list[Logprob | None]:
+        """The log-probability of each of `tokens` (a context its `pages` hold in the cache)
+        given the ones before it, with its `top` most likely tokens' (None for the first,
+        which has no context): `engine.spec.prompt_logprobs`."""
+        k = min(top, self.models.target.cfg.vocab_size)
+        token, lp, ids = prompt_logprobs(self.models, self.pool, tokens, pages, k,
+                                         self.eager_pass)
+        return [None] + [_logprob(t, v, vals, i, top) for t, v, vals, i in zip(
+            tokens[1:], token.tolist(), lp.tolist(), ids.tolist())]
 
 
 def sampling_variant(cuts: Sequence[tuple[int, float]], vocab: int, bound: int = TOPK_BOUND
@@ -505,7 +607,25 @@ def _cut(p: SamplingParams) -> tuple[int, float]:
     return (1, 1.0) if p.greedy else (max(p.top_k, 0), p.top_p)
 
 
-def _pad(inputs: dict[str, Tensor], start: int) -> None:
-    """Rows `start ..` become padding rows."""
-    for k, v in PADDING.items():
-        inputs[k][start:] = v
+def _pad(inputs: dict[str, Tensor], start: int, keys: Sequence[str] = tuple(PADDING)) -> None:
+    """Rows `start ..` of the inputs `keys` become padding rows."""
+    for k in keys:
+        inputs[k][start:] = PADDING[k]
+
+
+def _stage_adjustments(host: dict[str, Tensor], params: Sequence[SamplingParams],
+                       masks: Sequence[Any]) -> None:
+    """Each row's logit bias (its entries, then zeros), its grammar's mask (every token
+    allowed without one), and whether it decodes plainly (it has a grammar), into `host`."""
+    b = len(params)
+    host["bias_ids"][:b] = 0
+    host["bias_values"][:b] = 0.0
+    host["allowed"][:b] = -1
+    for r, (p, m) in enumerate(zip(params, masks)):
+        if p.logit_bias:
+            ids, values = zip(*p.logit_bias)
+            host["bias_ids"][r, :len(ids)] = torch.tensor(ids)
+            host["bias_values"][r, :len(ids)] = torch.tensor(values)
+        if m is not None:
+            host["allowed"][r] = torch.from_numpy(m)
+    host["plain"][:b] = torch.tensor([m is not None for m in masks])

@@ -10,9 +10,13 @@ tokens with stop checks on the host. So a long prompt prefills over several engi
 the running requests keep emitting. Finished requests leave at once and free their pages.
 
 Every model call goes through the runner (`engine.runner.StepGraphRunner`, or anything with its
-`prefill`, `step`, `coins_per_row`, `step_shape` and `shape`), which takes host values, not
-requests. With `isolate` set (the server), a model call that raises is run again row by row:
-a row that fails alone finishes with reason "error", the rest go on as if nothing happened.
+`prefill`, `step`, `coins_per_row`, `step_shape` and `shape`, and `last_logprobs` and
+`prompt_logprobs` once a request asks for log-probabilities), which takes host values, not
+requests. A request with a grammar (`engine.grammar`) hands each model call the mask of its next
+token and decodes plainly (one token a step); `_apply` advances its grammar with every token it
+keeps, and ends it when the grammar is complete. With `isolate` set (the server), a model
+call that raises is run again row by row: a row that fails alone finishes with reason "error",
+the rest go on as if nothing happened.
 A plain-decoding step (budget 0) leaves the drafter's cache behind; the request's next
 drafting step brings it the tokens it missed (`lag`), unless most rows sample: such a batch with
 a lagging row keeps decoding plainly (the runner's "lagging" kind).
@@ -25,9 +29,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from engine.grammar import GrammarError, Grammars
 from engine.kv_cache import BlockAllocator, OutOfPages, pages_needed
 from engine.request import Request
-from engine.runner import PrefillInputs, StepInputs
+from engine.runner import Logprob, PrefillInputs, StepInputs
 
 
 def _context(req: Request) -> list[int]:
@@ -72,6 +77,13 @@ class StepEvent:
     # rows of the same call ran (blamed) or with every row of it (the cause is unknown).
     error: BaseException | None = None
     blamed: bool = False
+    # The new tokens' log-probabilities, when the request asks (from its `logprobs`).
+    logprobs: list[Logprob] | None = None
+
+    def __post_init__(self) -> None:
+        lp = self.req.logprobs
+        if self.logprobs is None and lp is not None:
+            self.logprobs = lp[len(lp) - len(self.new_ids):]
 
 
 def lagging(reqs: Sequence[Request]) -> bool:
@@ -107,15 +119,18 @@ def step_inputs(reqs: Sequence[Request], coins_per_row: int, drafts: bool = Fals
     positions; a step that `drafts` also takes the committed tokens each drafter cache lacks."""
     lag = [(r.prompt_ids + r.output_ids)[r.fed:r.cache_len] if r.fed < r.cache_len else []
            for r in reqs] if drafts else []
+    masks = [r.matcher.mask() if r.matcher is not None else None for r in reqs]
     return StepInputs([r.anchor for r in reqs], [r.cache_len for r in reqs],
                       [list(r.pages) for r in reqs], [r.params for r in reqs],
-                      [r.coins(coins_per_row) for r in reqs], lag, lagging(reqs))
+                      [r.coins(coins_per_row) for r in reqs], lag, lagging(reqs),
+                      masks if any(m is not None for m in masks) else [])
 
 
 class Scheduler:
     def __init__(self, runner: Any, *, num_pages: int, page_size: int, vocab_size: int,
                  max_batch_size: int, max_model_len: int, stop_ids: frozenset[int] = frozenset(),
-                 detok: Callable[[list[int]], str] | None = None, prefill_chunk: int = 2048):
+                 detok: Callable[[list[int]], str] | None = None, prefill_chunk: int = 2048,
+                 grammars: Grammars | None = None):
         if prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be at least 1, got {prefill_chunk}")
         self.runner = runner
@@ -128,6 +143,7 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.stop_ids = stop_ids
         self.detok = detok
+        self.grammars = grammars  # matchers of requests with a grammar (None: no tokenizer)
         self.waiting: deque[Request] = deque()
         # Admitted, their pages held, their prompts partly prefilled (`cache_len` of them).
         self.prefilling: list[Request] = []
@@ -164,6 +180,19 @@ class Scheduler:
         if bad:
             raise RequestRejected(f"prompt token id {bad[0]} is outside the vocabulary "
                                   f"[0, {vocab})")
+        bad = [t for t, _ in req.params.logit_bias if not t < vocab]
+        if bad:
+            raise RequestRejected(f"logit_bias token id {bad[0]} is outside the vocabulary "
+                                  f"[0, {vocab})")
+        if req.params.grammar is not None and req.matcher is None:
+            # NOTE: the matcher is made here, once, so a grammar that cannot compile is
+            # refused with the request (it touches no scheduler state).
+            if self.grammars is None:
+                raise RequestRejected("a grammar needs the model's tokenizer, and it has none")
+            try:
+                req.matcher = self.grammars.matcher(req.params.grammar)
+            except GrammarError as e:
+                raise RequestRejected(f"the grammar cannot be used: {e}") from e
 
     def add(self, req: Request) -> None:
         self.check(req)
@@ -209,37 +238,66 @@ class Scheduler:
         recomputed one)."""
         for req in reqs:
             self._grow(req, len(_context(req)))
-        return self._prefill([(req, len(_context(req))) for req in reqs])
+        return [new for new, _ in self._prefill([(req, len(_context(req))) for req in reqs])]
 
-    def _prefill(self, pieces: Sequence[tuple[Request, int]]) -> list[list[int]]:
+    def _prefill(self, pieces: Sequence[tuple[Request, int]]
+                 ) -> list[tuple[list[int], list[Logprob] | None]]:
         """One runner call that prefills, for each `(request, n)`, the next `n` tokens of its
         context after the `cache_len` already cached (its pages held); returns each one's new
         tokens: the first sampled token of a fresh request whose context this completes,
-        else nothing. Cache lengths advance only once the call returned."""
-        inps = []
+        else nothing; and their log-probabilities when it asks. A fresh request that asks for
+        its prompt's log-probabilities gets them once its prompt is cached. Cache lengths
+        advance only once the call returned."""
+        inps, fresh = [], []
         for req, n in pieces:
             ctx, start = _context(req), req.cache_len
             first = not req.output_ids and start + n == len(ctx)
+            mask = req.matcher.mask() if first and req.matcher is not None else None
             inps.append(PrefillInputs(ctx[start:start + n], list(req.pages),
                                       req.params if first else None,
-                                      req.coins(1)[0] if first else 0.0, start))
+                                      req.coins(1)[0] if first else 0.0, start, mask))
+            fresh.append(first)
         firsts = self.runner.prefill(inps)
-        for req, n in pieces:
+        lps = (self.runner.last_logprobs if any(
+            f and r.params.logprobs is not None for (r, _), f in zip(pieces, fresh))
+            else [None] * len(pieces))
+        prompt_lps = [self.runner.prompt_logprobs(req.prompt_ids, list(req.pages), top)
+                      if first and (top := req.params.prompt_logprobs) is not None else None
+                      for (req, _), first in zip(pieces, fresh)]
+        for (req, n), prompt_lp in zip(pieces, prompt_lps):
             req.cache_len = req.fed = req.cache_len + n
-        return [[] if first is None else [first] for first in firsts]
+            if prompt_lp is not None:
+                req.prompt_logprobs = prompt_lp
+        return [([] if f is None else [f], lp) for f, lp in zip(firsts, lps)]
+
+    def _logprobs(self, reqs: Sequence[Request]) -> list[list[Logprob] | None]:
+        """The log-probabilities of the runner's last step over `reqs`, per row."""
+        if any(r.params.logprobs is not None for r in reqs):
+            return self.runner.last_logprobs
+        return [None] * len(reqs)
 
     # ---- host-side token handling ------------------------------------------------------------
 
-    def _apply(self, req: Request, tokens: list[int]) -> list[int]:
-        """Append `tokens` with stop checks; returns the tokens actually kept."""
+    def _apply(self, req: Request, tokens: list[int],
+               logprobs: Sequence[Logprob] | None = None) -> list[int]:
+        """Append `tokens` (with their `logprobs`, when the request asks) with stop checks,
+        advancing the request's grammar; returns the tokens actually kept. A grammar that is
+        complete (only an end token may follow) stops the request."""
         p = req.params
         kept = []
-        for t in tokens:
+        for j, t in enumerate(tokens):
             if not p.ignore_eos and t in self.stop_ids:
                 req.finish_reason = "stop"
                 break
             req.output_ids.append(t)
             kept.append(t)
+            if req.logprobs is not None and logprobs is not None:
+                req.logprobs.append(logprobs[j])
+            if req.matcher is not None:
+                req.matcher.consume(t)
+                if req.matcher.done:
+                    req.finish_reason = "stop"
+                    break
             if len(req.output_ids) >= p.max_new_tokens or \
                     len(req.prompt_ids) + len(req.output_ids) >= self.max_model_len:
                 req.finish_reason = "length"
@@ -313,7 +371,7 @@ class Scheduler:
         # 1. prefill: the next chunks of prompts being prefilled, and new requests
         pieces = self._pieces()
         try:
-            firsts: list[list[int] | BaseException] = (
+            firsts: list[tuple[list[int], list[Logprob] | None] | BaseException] = (
                 list(self._prefill(pieces)) if pieces else [])
         except Exception as e:  # noqa: BLE001 - isolated below, or raised again
             size = {id(r): n for r, n in pieces}
@@ -330,7 +388,7 @@ class Scheduler:
                 continue
             if req in self.prefilling:
                 self.prefilling.remove(req)
-            kept = self._applied(req, new, events)
+            kept = self._applied(req, *new, events)
             if kept is None:
                 continue
             if req.finished:
@@ -354,8 +412,9 @@ class Scheduler:
                 return events
             # 3. the step
             batch = list(self.running)
-            results: list[tuple[list[int], int] | BaseException] = [
-                *zip(*run_step(self.runner, batch, shape.drafts))]
+            emitted, accepted = run_step(self.runner, batch, shape.drafts)
+            results: list[tuple[list[int], int, list[Logprob] | None] | BaseException] = [
+                *zip(emitted, accepted, self._logprobs(batch))]
         except Exception as e:  # noqa: BLE001 - isolated below, or raised again
             batch = list(self.running)
             results = self._one_by_one(batch, e, self._step_alone)
@@ -368,10 +427,10 @@ class Scheduler:
             if isinstance(res, BaseException):
                 events.append(self._failed(req, res, blamed))
                 continue
-            toks, acc = res
+            toks, acc, lps = res
             req.num_steps += 1
             req.accept_lengths.append(acc + 1)
-            kept = self._applied(req, toks, events)
+            kept = self._applied(req, toks, lps, events)
             if kept is None:
                 continue
             events.append(StepEvent(req, kept, req.finished, acc + 1))
@@ -405,9 +464,10 @@ class Scheduler:
                 out.append(e)
         return out
 
-    def _step_alone(self, req: Request) -> tuple[list[int], int] | None:
-        """One step of `req` on its own: its tokens and accepted drafts, or None when the pool
-        has no pages for its shape's span (it goes back to the queue, preempted)."""
+    def _step_alone(self, req: Request) -> tuple[list[int], int, list[Logprob] | None] | None:
+        """One step of `req` on its own: its tokens, accepted drafts and log-probabilities, or
+        None when the pool has no pages for its shape's span (it goes back to the queue,
+        preempted)."""
         shape = next_shape(self.runner, [req])
         try:
             self._grow(req, req.cache_len + shape.max_emit)
@@ -415,14 +475,15 @@ class Scheduler:
             self._preempt(req)
             return None
         emitted, accepted = run_step(self.runner, [req], shape.drafts)
-        return emitted[0], accepted[0]
+        return emitted[0], accepted[0], self._logprobs([req])[0]
 
-    def _applied(self, req: Request, toks: list[int], events: list[StepEvent]
-                 ) -> list[int] | None:
-        """`_apply(req, toks)`; with `isolate`, a host-side failure there is `req`'s own: it
-        fails alone (an event in `events`) and None is returned."""
+    def _applied(self, req: Request, toks: list[int], logprobs: Sequence[Logprob] | None,
+                 events: list[StepEvent]) -> list[int] | None:
+        """`_apply(req, toks, logprobs)`; with `isolate`, a host-side failure there (a token
+        its grammar refuses included) is `req`'s own: it fails alone (an event in `events`)
+        and None is returned."""
         try:
-            return self._apply(req, toks)
+            return self._apply(req, toks, logprobs)
         except Exception as e:  # noqa: BLE001 - raised again unless isolated
             if not self.isolate:
                 raise

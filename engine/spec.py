@@ -2,6 +2,11 @@
 buffers. Every shape is fixed by `(bs, N)` and the page-table width, nothing reads a tensor value
 on the host, so the same function runs eagerly on a CPU and inside one CUDA graph per batch size.
 
+Between the verify and the decide a step may adjust the target's logits (each row's bias, a
+grammar's mask at the root: `adjust_logits`), and after the decide report the emitted tokens'
+log-probabilities (`write_logprobs`), in the step variants whose rows ask (`StepShape.adjust`,
+`StepShape.logprobs`).
+
 Positions: a request's target cache holds `cache_len` committed tokens; the anchor (the last
 emitted token, not yet in the cache) sits at position `cache_len`, and a tree node of depth `d`
 at `cache_len + d`. The commit writes the root and the accepted nodes at `cache_len ..
@@ -19,11 +24,12 @@ import torch
 from torch import Tensor
 
 from engine.attention import AttentionBackend, TorchBackend
-from engine.config import MODES
+from engine.config import MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS, MODES
 from engine.dist import Group
 from engine.kv_cache import DUMMY_PAGE, KVPool
 from engine.models.dflash import DFlashDrafter
 from engine.models.kimi import KimiForCausalLM
+from ops.logits import add_bias_, emitted_logprobs, mask_
 from ops.sampling import argmax, race_logits, sample_from_probs, target_probs
 from ops.tree import DDTree, build_ddtree, build_ddtree_host, chain_tree
 from ops.verify import Decision, tree_greedy, tree_greedy_host
@@ -50,6 +56,13 @@ class StepShape:
     # exact, and picks out the rows that sample (greedy ones take the argmax and never pay for
     # the race); a captured or compiled graph runs every row alike.
     host_reads: bool = False
+    # Some row has a logit bias or a grammar (`adjust_logits`): the step adds the biases to
+    # every node's logits, masks the root's to the grammar's tokens, and cuts the grammar rows'
+    # trees to their root. Off, none of the adjustment buffers is read.
+    adjust: bool = False
+    # Some row wants log-probabilities: the step writes those of its emitted tokens and the
+    # `MAX_TOP_LOGPROBS` most likely there (`lp_*` outputs). Off, it computes none.
+    logprobs: bool = False
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -90,7 +103,10 @@ class StepShape:
 # the dummy page, so every kernel treats them as ordinary rows while their writes land on the
 # dummy page; they sample greedily (temperature 1, top-k 1) and draw no coins.
 PADDING = {"anchor": 0, "cache_len": 0, "page_table": DUMMY_PAGE, "temperature": 1.0,
-           "top_k": 1, "top_p": 1.0, "coins": 0.0}
+           "top_k": 1, "top_p": 1.0, "coins": 0.0, "bias_ids": 0, "bias_values": 0.0,
+           "allowed": -1, "plain": False}
+# The inputs only a step that `adjust`s reads (the host stages them for such a step only).
+ADJUST_INPUTS = ("bias_ids", "bias_values", "allowed", "plain")
 
 
 @dataclass
@@ -105,12 +121,24 @@ class StepBuffers:
     top_k: Tensor  # [bs] int64 (greedy rows: 1; off: 0)
     top_p: Tensor  # [bs] f32
     coins: Tensor  # [bs, S] f32 uniform, one per position a step may emit (depth 0 first)
+    # logit adjustments (read when the shape `adjust`s): MAX_LOGIT_BIAS (token, bias) entries
+    # (unused: token 0, bias 0), the grammar's allowed tokens at the root (every bit set: no
+    # grammar), and whether the row decodes plainly, its tree cut to the root (a grammar row)
+    bias_ids: Tensor  # [bs, MAX_LOGIT_BIAS] int64
+    bias_values: Tensor  # [bs, MAX_LOGIT_BIAS] f32
+    allowed: Tensor  # [bs, ceil(V / 32)] int32 token bitmask
+    plain: Tensor  # [bs] bool
     # scratch: the verify forward's own latent rows, read by the commit
     tree_kv: Tensor  # [layers, bs, N, R + P]
     # outputs, read back by the host
     emit: Tensor  # [bs, S] int64, -1 padded
     accept_len: Tensor  # [bs] int64
     accept_nodes: Tensor  # [bs, S] int64, -1 padded
+    # log-probabilities of the emitted tokens and of the most likely tokens at each (written
+    # when the shape wants `logprobs`; `ops.logits.emitted_logprobs`)
+    lp_token: Tensor  # [bs, S] f32
+    lp_top: Tensor  # [bs, S, T] f32, T = min(MAX_TOP_LOGPROBS, V)
+    lp_top_ids: Tensor  # [bs, S, T] int64
 
     @classmethod
     def allocate(cls, bs: int, width: int, shape: StepShape | Sequence[StepShape],
@@ -119,6 +147,7 @@ class StepBuffers:
         c = target.cfg
         shapes = [shape] if isinstance(shape, StepShape) else list(shape)
         N, S = max(s.num_nodes for s in shapes), max(s.max_emit for s in shapes)
+        T = min(MAX_TOP_LOGPROBS, c.vocab_size)
         z = dict(device=device)
         return cls(
             anchor=torch.zeros(bs, dtype=torch.int64, **z),
@@ -128,11 +157,18 @@ class StepBuffers:
             top_k=torch.ones(bs, dtype=torch.int64, **z),
             top_p=torch.ones(bs, **z),
             coins=torch.zeros(bs, S, **z),
+            bias_ids=torch.zeros(bs, MAX_LOGIT_BIAS, dtype=torch.int64, **z),
+            bias_values=torch.zeros(bs, MAX_LOGIT_BIAS, **z),
+            allowed=torch.full((bs, -(-c.vocab_size // 32)), -1, dtype=torch.int32, **z),
+            plain=torch.zeros(bs, dtype=torch.bool, **z),
             tree_kv=torch.zeros(c.num_hidden_layers, bs, N, c.kv_cache_dim,
                                 dtype=target.lm_head.weight.dtype, **z),
             emit=torch.full((bs, S), -1, dtype=torch.int64, **z),
             accept_len=torch.zeros(bs, dtype=torch.int64, **z),
             accept_nodes=torch.full((bs, S), -1, dtype=torch.int64, **z),
+            lp_token=torch.zeros(bs, S, **z),
+            lp_top=torch.zeros(bs, S, T, **z),
+            lp_top_ids=torch.zeros(bs, S, T, dtype=torch.int64, **z),
         )
 
     def rows(self, n: int) -> StepBuffers:
@@ -144,7 +180,9 @@ class StepBuffers:
         """Views as wide as `shape`'s nodes and emits (buffers serve every shape of a size)."""
         N, S = shape.num_nodes, shape.max_emit
         return replace(self, coins=self.coins[:, :S], tree_kv=self.tree_kv[:, :, :N],
-                       emit=self.emit[:, :S], accept_nodes=self.accept_nodes[:, :S])
+                       emit=self.emit[:, :S], accept_nodes=self.accept_nodes[:, :S],
+                       lp_token=self.lp_token[:, :S], lp_top=self.lp_top[:, :S],
+                       lp_top_ids=self.lp_top_ids[:, :S])
 
     def inputs(self) -> dict[str, Tensor]:
         """The per-step inputs the host copies in, by field name."""
@@ -283,6 +321,33 @@ def build(draft_logits: Tensor | None, buf: StepBuffers, shape: StepShape,
                   logw=z.float(), valid=torch.ones_like(z, dtype=torch.bool),
                   next_token=z - 1, next_sibling=z - 1,
                   visible=torch.ones(bs, 1, 1, dtype=torch.bool, device=z.device))
+
+
+def cut_to_root(tree: DDTree, plain: Tensor) -> DDTree:
+    """`tree` with the children of the `plain [bs]` rows' roots cut off: those rows accept
+    nothing and emit only the root's token, as plain decoding does (a grammar's mask holds at
+    the root only). Their other nodes are still verified, and never read."""
+    first = torch.where(plain, -1, tree.next_token[:, 0])
+    return replace(tree, next_token=torch.cat([first[:, None], tree.next_token[:, 1:]], 1))
+
+
+def adjust_logits(logits: Tensor, buf: StepBuffers) -> None:
+    """Each row's logit bias on every node of `logits [bs, N, V]`, and its grammar's mask on
+    the root's, in place (a row without them: bias entries of 0, every token allowed)."""
+    add_bias_(logits, buf.bias_ids, buf.bias_values)
+    mask_(logits[:, 0], buf.allowed)
+
+
+def write_logprobs(logits: Tensor, dec: Decision, buf: StepBuffers, shape: StepShape) -> None:
+    """The log-probabilities of the emitted tokens (token `j` drawn at accepted node `j`) and
+    of the most likely tokens there, from `logits` as the decide read them, less the bias: the
+    unbiased log-softmax, with a grammar's mask (`ops.logits.emitted_logprobs`)."""
+    bias = (buf.bias_ids, buf.bias_values) if shape.adjust else (None, None)
+    token, top, ids = emitted_logprobs(logits, dec.accept_nodes, dec.emit,
+                                       buf.lp_top.shape[-1], *bias)
+    buf.lp_token.copy_(token)
+    buf.lp_top.copy_(top)
+    buf.lp_top_ids.copy_(ids)
 
 
 def broadcast_decision(tp: Group, dec: Decision) -> Decision:
@@ -461,6 +526,46 @@ def catch_up(models: Models, pool: KVPool, tokens: Sequence[int], start: int, pa
 
 
 @torch.inference_mode()
+def prompt_logprobs(models: Models, pool: KVPool, tokens: Sequence[int], pages: Sequence[int],
+                    top: int, expert_pass: ExpertPass = sparse_pass, chunk: int = 64
+                    ) -> tuple[Tensor, Tensor, Tensor]:
+    """The log-probabilities of `tokens[1:]`, each given the ones before it, over a context
+    whose cache rows `pages` already hold: the token's `[T - 1]`, the `top` most likely
+    tokens' `[T - 1, top]` and their ids. The forward runs again over the cached prefix,
+    `chunk` tokens at a time (as `prefill_chunk` does, writing nothing), so its logits are
+    `[chunk, V]` at most."""
+    target, att = models.target, models.attention
+    dev, n = pool.target.device, len(tokens)
+    token_lp, top_lp, top_ids = [], [], []
+    for a in range(0, n - 1, chunk):
+        piece = list(tokens[a:min(a + chunk, n - 1)])
+        m = len(piece)
+        host = torch.tensor(list(pages[:-(-(a + m) // pool.page_size)]))[None]
+        if att.plans:
+            att.plan(host, torch.tensor([a]), m)
+        table = host.to(dev)
+        pos = a + torch.arange(m, device=dev)[None]
+        rows = torch.empty(target.cfg.num_hidden_layers, 1, m, target.cfg.kv_cache_dim,
+                           dtype=pool.target.dtype, device=dev)
+        logits, _ = target.verify(
+            torch.tensor(piece, device=dev)[None], pos, pool.target,
+            att.slots(table, pool.page_size), torch.tensor([a], device=dev),
+            torch.ones(m, m, dtype=torch.bool, device=dev).tril()[None], rows, (),
+            expert_pass(m), att.prefix(table, m, pool.page_size, target.cfg.softmax_scale))
+        x = logits[0]  # [m, V]: position a + i predicts tokens[a + i + 1]
+        lse = torch.logsumexp(x, -1, keepdim=True)
+        nxt = torch.tensor(list(tokens[a + 1:a + m + 1]), device=dev)[:, None]
+        token_lp.append((x.gather(1, nxt) - lse)[:, 0])
+        vals, ids = x.topk(top, dim=-1)
+        top_lp.append(vals - lse)
+        top_ids.append(ids)
+    if not token_lp:  # a one-token context: nothing to score
+        z = torch.zeros(0, top, device=dev)
+        return z.sum(1), z, z.long()
+    return torch.cat(token_lp), torch.cat(top_lp), torch.cat(top_ids)
+
+
+@torch.inference_mode()
 def spec_step(models: Models, pool: KVPool, buf: StepBuffers, shape: StepShape,
               timer: Timer = _no_timer, moe: str = "aligned") -> None:
     """One speculative step for every row of `buf` (padding rows included); its verify runs
@@ -473,6 +578,8 @@ def spec_step(models: Models, pool: KVPool, buf: StepBuffers, shape: StepShape,
             draft_logits = draft(models, pool, buf, shape, ctx_slots)
     with timer("build"):
         tree = build(draft_logits, buf, shape, rows)
+        if shape.adjust:
+            tree = cut_to_root(tree, buf.plain)
     with timer("verify"):
         aux_layers = models.aux_layers if shape.drafts else ()
         logits, aux = models.target.verify(
@@ -481,10 +588,15 @@ def spec_step(models: Models, pool: KVPool, buf: StepBuffers, shape: StepShape,
             models.attention.prefix(buf.page_table, shape.num_nodes, pool.page_size,
                                     models.target.cfg.softmax_scale))
     with timer("decide"):
+        if shape.adjust:
+            adjust_logits(logits, buf)
         dec = decide(logits, tree, buf, shape, rows)
         if models.tp is not None:
             # NOTE: every rank decides from the same gathered logits and coins, but only rank
             # 0's decision is committed anywhere, so rounding can never split the ranks' caches.
             dec = broadcast_decision(models.tp, dec)
+    if shape.logprobs:
+        with timer("logprobs"):
+            write_logprobs(logits, dec, buf, shape)
     with timer("commit"):
         commit(models, pool, buf, dec, aux, shape)

@@ -268,6 +268,7 @@ def target_probs(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tens
 # generators give one stream per call, not a value per (coin, token) that any step, batch or
 # device reproduces from the coin alone.
 _M32 = 0xFFFFFFFF
+_BELOW_ONE = 1.0 - 2.0**-24  # the largest float32 below 1
 
 
 def _mix32(x: Any) -> Any:
@@ -294,7 +295,10 @@ def race_noise(coins: Tensor, vocab: int) -> Tensor:
         key = _mix32(coins.view(torch.int32).to(torch.int64) & _M32)
         ids = torch.arange(vocab, device=coins.device, dtype=torch.int64)
         u = (_mix32((key.unsqueeze(-1) + ids * 0x9E3779B9) & _M32) >> 8).to(torch.float32)
-    return -torch.log((u + 0.5) * (1.0 / (1 << 24)))  # 24 bits, in (0, 1)
+    # NOTE: 24 bits, in (0, 1): the largest, (2**24 - 0.5) / 2**24, rounds to 1.0 in float32,
+    # and E = 0 would let a zero-probability token win (0 / 0 is NaN, which argmax takes), so
+    # it is held at the float just below 1.
+    return -torch.log(((u + 0.5) * (1.0 / (1 << 24))).clamp_(max=_BELOW_ONE))
 
 
 def sample_from_probs(probs: Tensor, coins: Tensor, *, use_flashinfer: bool = False) -> Tensor:

@@ -57,7 +57,9 @@ def _race_kernel(x_ptr, coin_ptr, out_ptr, stride, V: tl.constexpr, BLOCK_V: tl.
         h = h ^ (h >> 15)
         h = h * c2
         h = h ^ (h >> 15)
-        e = -tl.log(((h >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0))
+        # NOTE: below 1, as the twin holds it (E = 0 would let a zero-probability token win)
+        e = -tl.log(tl.minimum(((h >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0),
+                               1.0 - 1.0 / 16777216.0))
         if LOGITS:
             tl.store(out_ptr + row * V + ids, x - tl.log(e), mask=live)
         else:

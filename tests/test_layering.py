@@ -16,7 +16,7 @@ LAYERS = [
     ("ops",),
     ("engine.config", "engine.dist", "engine.kv_cache", "engine.memory", "engine.chat",
      "engine.tool_declaration",
-     "engine.tokenizer",
+     "engine.tokenizer", "engine.grammar",
      "engine.toolcalls", "engine.held_out"),
     ("engine.weights", "engine.models"),
     ("engine.attention",),

@@ -1,6 +1,7 @@
-"""The OpenAI fields agent frameworks send, through the server: `parallel_tool_calls`,
-`response_format`, `n` (streamed and not, seeded), `tool_choice` "required", vLLM's `/tokenize`
-and `/detokenize`, and the 400s that name what is not supported.
+"""The OpenAI fields agent frameworks send, through the server: `parallel_tool_calls`, `n`
+(streamed and not, seeded), vLLM's `/tokenize` and `/detokenize`, and the 400s that name what
+is not supported or out of range (tests/test_structured.py has what the engine enforces:
+`response_format`, `tool_choice` "required", `logit_bias`, `logprobs`).
 
 Tool calls use the scripted engine of tests/test_serve_tools.py (the app over the real
 scheduler, a runner emitting queued texts); sampling uses the tiny random model in process, as
@@ -126,15 +127,27 @@ def test_n_choices_with_scripted_tool_calls(llm: ScriptedLLM, url: str) -> None:
 
 REFUSED: list[tuple[str, dict[str, Any], str, str]] = [
     # (route, body fields, param, a word the message must hold)
+    ("chat", {"response_format": {"type": "json_schema"}}, "response_format", "json_schema"),
+    ("chat", {"response_format": {"type": "xml"}}, "response_format", "json_schema"),
     ("chat", {"response_format": {"type": "json_schema", "json_schema": {
-        "name": "x", "schema": {"type": "object"}}}}, "response_format", "text"),
-    ("chat", {"response_format": {"type": "json_object"}}, "response_format", "text"),
-    ("chat", {"tools": TOOLS, "tool_choice": "required"}, "tool_choice", "auto"),
+        "name": "not a name", "schema": {}}}}, "response_format", "pattern"),
+    ("chat", {"tool_choice": "required"}, "tool_choice", "tools"),
+    ("chat", {"tools": TOOLS, "tool_choice": "required", "response_format": {
+        "type": "json_object"}}, "response_format", "tool_choice"),
     ("chat", {"n": 9}, "n", "8"),
     ("completions", {"n": 0}, "n", "n"),
     ("completions", {"n": 3, "best_of": 4}, "best_of", "n"),
-    ("chat", {"logit_bias": {"12": 5}}, "logit_bias", "logit_bias"),
-    ("chat", {"top_logprobs": 2}, "top_logprobs", "top_logprobs"),
+    ("chat", {"logit_bias": {"12": 101}}, "logit_bias", "100"),
+    ("chat", {"logit_bias": {"x": 1}}, "logit_bias", "token id"),
+    ("completions", {"logit_bias": {str(10**9): 1}}, "logit_bias", "vocabulary"),
+    ("chat", {"logit_bias": {str(i): 1 for i in range(301)}}, "logit_bias", "300"),
+    ("chat", {"top_logprobs": 2}, "top_logprobs", "logprobs"),
+    ("chat", {"logprobs": True, "top_logprobs": 21}, "top_logprobs", "20"),
+    ("chat", {"logprobs": 2}, "logprobs", "bool"),
+    ("completions", {"logprobs": 6}, "logprobs", "5"),
+    ("completions", {"top_logprobs": 2}, "top_logprobs", "count"),
+    ("chat", {"echo": True}, "echo", "completions"),
+    ("chat", {"presence_penalty": 0.5}, "presence_penalty", "0"),
     ("chat", {"functions": [{"name": "f"}]}, "functions", "tools"),
     ("chat", {"reasoning_effort": "low"}, "reasoning_effort", "thinking"),
     ("chat", {"stop": ["a", "b", "c", "d", "e"]}, "stop", "4"),

@@ -30,6 +30,7 @@ pytest.importorskip("fastapi")
 uvicorn = pytest.importorskip("uvicorn")
 
 from engine.config import SamplingParams  # noqa: E402
+from engine.grammar import Grammars  # noqa: E402
 from engine.request import Request  # noqa: E402
 from engine.runner import PrefillInputs, StepInputs  # noqa: E402
 from engine.scheduler import Scheduler  # noqa: E402
@@ -130,7 +131,8 @@ class ScriptedLLM:
         self.scheduler = Scheduler(
             self.runner, num_pages=80, page_size=16, vocab_size=tokenizer.vocab_size,
             max_batch_size=4, max_model_len=self.max_model_len, stop_ids=tokenizer.stop_ids,
-            detok=lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
+            detok=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
+            grammars=Grammars(tokenizer, tokenizer.vocab_size))
         self.timer = SimpleNamespace(totals={})
         self._rids = itertools.count()
 
@@ -280,22 +282,49 @@ def test_tool_calls_after_reasoning_without_think_end(llm: ScriptedLLM,
 
 def test_named_tool_choice_returns_only_that_function(llm: ScriptedLLM, url: str,
                                                       client: openai.OpenAI) -> None:
+    """A forced call is a grammar the scheduler's matcher follows token by token (the scripted
+    runner ignores its masks): Kimi's section with special-token markers passes it, after the
+    reasoning of a thinking prompt too, and the streamed and whole answers carry the call."""
     choice = {"type": "function", "function": {"name": "get_time"}}
-    llm.say(TWO_CALLS)
+    section = f"{SECTION_BEGIN}{_call('get_time', 1, '{}')}{SECTION_END}"
+    llm.say(section)
     r = client.chat.completions.create(model="scripted", messages=ASK, tools=TOOLS,
-                                       tool_choice=choice)
+                                       tool_choice=choice, **INSTANT)
     assert r.choices[0].finish_reason == "tool_calls"
     assert [(c.id, c.function.name) for c in r.choices[0].message.tool_calls] == [
         ("functions.get_time:1", "get_time")]
-    llm.say(TWO_CALLS)
+    llm.say(f"The time, then.{THINK_END}{section}")
     deltas, _ = _stream(client, messages=ASK, tools=TOOLS, tool_choice=choice)
     assert _merged_calls(deltas) == [
         {"id": "functions.get_time:1", "name": "get_time", "arguments": "{}"}]
-    for bad in ({"type": "function", "function": {"name": "get_news"}}, "required"):
-        r2 = httpx.post(f"{url}/v1/chat/completions", timeout=30,
-                        json={"messages": ASK, "tools": TOOLS, "tool_choice": bad})
-        assert r2.status_code == 400, r2.text
-        assert r2.json()["error"]["param"] == "tool_choice"
+    assert _joined(deltas, "reasoning_content") == "The time, then."
+    llm.say(f"{SECTION_BEGIN}{_call('get_weather', 0, WEATHER)}"
+            f"{_call('get_time', 1, '{}')}{SECTION_END}")
+    r = client.chat.completions.create(model="scripted", messages=ASK, tools=TOOLS,
+                                       tool_choice="required", **INSTANT)
+    assert [c.function.name for c in r.choices[0].message.tool_calls] == ["get_weather",
+                                                                         "get_time"]
+    r2 = httpx.post(f"{url}/v1/chat/completions", timeout=30, json={
+        "messages": ASK, "tools": TOOLS, "tool_choice": {"type": "function", "function": {
+            "name": "get_news"}}})
+    assert r2.status_code == 400, r2.text
+    assert r2.json()["error"]["param"] == "tool_choice"
+
+
+def test_json_response_format_beside_tools(llm: ScriptedLLM, client: openai.OpenAI) -> None:
+    """With tools the model may call, a JSON response format allows the JSON answer or a call
+    (the scheduler's matcher follows every scripted token)."""
+    fmt = {"type": "json_schema", "json_schema": {"name": "w", "schema": {
+        "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"],
+        "additionalProperties": False}}}
+    llm.say(WEATHER)
+    llm.say(f"{SECTION_BEGIN}{_call('get_weather', 0, WEATHER)}{SECTION_END}")
+    answers = [client.chat.completions.create(model="scripted", messages=ASK, tools=TOOLS,
+                                              response_format=fmt, **INSTANT).choices[0]
+               for _ in range(2)]
+    assert (answers[0].finish_reason, answers[0].message.content) == ("stop", WEATHER)
+    assert answers[1].finish_reason == "tool_calls"
+    assert answers[1].message.tool_calls[0].function.arguments == WEATHER
 
 
 def test_tool_choice_none_leaves_the_answer_as_text(llm: ScriptedLLM,
@@ -463,7 +492,7 @@ BAD: list[tuple[str, dict[str, Any], str]] = [
                                                                          "x": 1}}]}, "tools"),
     ("tool_choice without tools", {"tool_choice": {"type": "function", "function": {
         "name": "f"}}}, "tool_choice"),
-    ("tool_choice required", {"tools": TOOLS, "tool_choice": "required"}, "tool_choice"),
+    ("tool_choice required without tools", {"tool_choice": "required"}, "tool_choice"),
     ("template kwargs not a dict", {"chat_template_kwargs": [1]}, "chat_template_kwargs"),
     ("template kwarg not a name", {"chat_template_kwargs": {"a b": 1}}, "chat_template_kwargs"),
     *[(f"template kwarg {k}", {"chat_template_kwargs": {k: 1}}, "chat_template_kwargs")

@@ -9,7 +9,13 @@ choice i samples with seed + i, as vLLM does; greedy choices are identical); the
 interleaved as they come, each with its `index`; usage counts the prompt once and every
 choice's tokens; a client that leaves, or a choice that fails, aborts them all.
 `parallel_tool_calls` false keeps the first call the parser returns (its first well-formed
-one) and drops the rest, streamed or not (`ToolLimit`).
+one) and drops the rest, streamed or not (`ToolLimit`); a forced call (`tool_choice`
+"required" or a named function) or a JSON `response_format` is a grammar the engine enforces
+(`Server.constrain`, `engine.grammar`), so the answer is well-formed (and then holds one call
+without parallel calls). Log-probabilities come in OpenAI's shapes (`chat_logprobs`,
+`CompletionLogprobs`), streamed with the chunk that carries their tokens' step (or the
+next); `echo` puts the prompt before a completion, with its tokens' log-probabilities when
+asked (the first has none).
 
 No one request may hurt another: `Guard` checks the Host, the API key and the body's type before
 a route runs; a body is read within `--request-timeout` and `--max-body-bytes`, parsed with its
@@ -46,13 +52,27 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from engine.config import MAX_SEED, SamplingParams
+from engine.grammar import (
+    GrammarError,
+    json_or_tool_call_grammar,
+    json_schema_grammar,
+    reasoning_prefix,
+    tool_call_grammar,
+)
 from engine.llm import LLM
+from engine.runner import Logprob
 from engine.scheduler import RequestRejected
 from engine.serve import protocol as api
 from engine.serve.options import ServeConfig
 from engine.serve.worker import ClientGone, Engine, Handle
 from engine.tokenizer import TokenizerError
-from engine.toolcalls import OutputDelta, OutputStream, ParsedOutput
+from engine.toolcalls import (
+    PROMPT_TAIL_IDS,
+    OutputDelta,
+    OutputStream,
+    ParsedOutput,
+    prompt_opens_reasoning,
+)
 
 log = logging.getLogger("engine.serve")
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
@@ -61,7 +81,7 @@ LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
 # tokenize whole bodies (and show the chat template's work) for whoever asks.
 KEYED_PATHS = frozenset({"/tokenize", "/detokenize"})
 Body = api.CompletionRequest | api.ChatRequest
-Item = tuple[OutputDelta, str | None, int]
+Item = tuple[OutputDelta, str | None, int, list[Logprob] | None]
 T = TypeVar("T")
 
 
@@ -189,6 +209,10 @@ class Server:
         if body.top_k > vocab:
             raise api.bad("top_k", f"top_k is {body.top_k}, but this model's vocabulary has "
                                    f"{vocab} tokens (-1 or 0: no top-k)")
+        bad_id = next((k for k in body.logit_bias or {} if int(k) >= vocab), None)
+        if bad_id is not None:
+            raise api.bad("logit_bias", f"logit_bias biases token {bad_id}, but this model's "
+                                        f"vocabulary has {vocab} tokens (ids 0 to {vocab - 1})")
 
     def check_bytes(self, param: str, nbytes: int) -> None:
         """Refuses, before tokenizing, a text of `nbytes` UTF-8 bytes that cannot fit the
@@ -214,6 +238,9 @@ class Server:
         tok, chat = self.llm.tokenizer, isinstance(body, api.ChatRequest)
         param, prompt, kw = (("messages", *body.template_inputs()) if chat
                              else ("prompt", body.one_prompt(), {}))
+        if tok is None and not chat and (body.echo or body.logprobs is not None):
+            raise api.bad("echo" if body.echo else "logprobs", "this model has no tokenizer to "
+                                                               "write tokens as text with")
         if tok is None and (chat or isinstance(prompt, str) or body.stop):
             raise api.bad("stop" if body.stop else param, "this model has no tokenizer: send "
                                                           "token ids and no stop strings")
@@ -240,6 +267,8 @@ class Server:
                           "context_length_exceeded")
         params = body.sampling_params(want or min(limit if chat else COMPLETIONS_DEFAULT_MAX_TOKENS,
                                                    limit - n))
+        if chat:
+            params = await self.constrain(body, ids, params)
         if self.waiting + body.n > self.max_queue:
             raise api.error(503, f"the server is busy: {self.waiting} requests are already "
                                  f"waiting (--max-queue {self.max_queue}); retry later", None,
@@ -260,6 +289,38 @@ class Server:
                              request_tools=kw.get("tools")) if tok else None for _ in handles]
         return ids, handles, outs
 
+    async def constrain(self, body: api.ChatRequest, ids: list[int], params: SamplingParams
+                        ) -> SamplingParams:
+        """`params` with the grammar of the body's forced tool call or JSON response format
+        (or that answer, or a call of the tools the model may call), after the reasoning of a
+        thinking model's prompt, compiled off the event loop; a 400 naming the field when it
+        cannot be enforced."""
+        tools, schema = body.forced_tools, body.answer_schema
+        if tools is None and schema is None:
+            return params
+        tok, grammars = self.llm.tokenizer, self.llm.scheduler.grammars
+        param = "tools" if tools is not None else "response_format"
+        if grammars is None:
+            raise api.bad(param, f"{param}: this model cannot enforce a grammar (it has no "
+                                 f"tokenizer)")
+        opened = body.parsing()["reasoning"] and prompt_opens_reasoning(
+            tok.decode(ids[-PROMPT_TAIL_IDS:]))
+        reasoning = reasoning_prefix(tok, opened)
+        parallel = body.parallel_tool_calls is not False
+        if tools is not None:
+            grammar = tool_call_grammar(tok, [t.model_dump() for t in tools], parallel,
+                                        reasoning)
+        elif body.parsing()["tools"]:
+            grammar = json_or_tool_call_grammar(tok, schema, [t.model_dump() for t in body.tools],
+                                                parallel, reasoning)
+        else:
+            grammar = json_schema_grammar(schema, reasoning)
+        try:
+            await run_in_threadpool(grammars.check, grammar)
+        except GrammarError as e:
+            raise api.bad(param, f"{param}: the schema cannot be enforced: {e}") from e
+        return dataclasses.replace(params, grammar=grammar)
+
     def close(self, h: Handle) -> None:
         """Ends the HTTP side of a request once, aborting it if it still runs (the engine loop
         frees its pages; it ignores a finished request)."""
@@ -269,23 +330,25 @@ class Server:
             self.engine.post("abort", h)
 
     async def text(self, h: Handle, http: Request, out: OutputStream | None
-                   ) -> AsyncIterator[tuple[OutputDelta, str | None, int]]:
-        """`(new part of the answer, finish reason or None, tokens so far)` as the request runs
-        (`out.result()` is then the whole answer)."""
+                   ) -> AsyncIterator[Item]:
+        """`(new part of the answer, finish reason or None, tokens so far, the new tokens'
+        log-probabilities or None)` as the request runs (`out.result()` is then the whole
+        answer)."""
         n = 0
         try:
             while True:
                 item = await h.next(http)
                 if item[0] == "error":
                     raise api.error(500, str(item[1]), None, "engine_error", "server_error")
-                _, new, reason, text_end = item
+                _, new, reason, text_end, logprobs = item
                 n += len(new)
                 if reason is not None:
                     last = out.end(new, text_end) if out else OutputDelta()
-                    yield last, out.finish_reason(reason) if out else reason, n
+                    yield last, out.finish_reason(reason) if out else reason, n, logprobs
                     return
-                if piece := out.push(new) if out else None:
-                    yield piece, None, n
+                piece = out.push(new) if out else None
+                if piece or logprobs:
+                    yield piece or OutputDelta(), None, n, logprobs
         finally:
             self.close(h)
 
@@ -372,9 +435,17 @@ def build_app(llm: LLM, served_model_name: str, max_queue: int = 256,
                     "prompt_tokens": len(ids), "completion_tokens": n, "total_tokens": len(ids) + n}
             return out
 
+        tok = llm.tokenizer
+        # completions: each choice's log-probabilities writer (its text offsets run on)
+        offsets = [CompletionLogprobs(tok) for _ in handles] if not chat and tok else []
+        echo = not chat and body.echo
+
         def choice(i: int, fields: dict[str, Any], reason: str | None,
-                   role: str | None = None) -> Any:
-            c = {"index": i, "logprobs": None, "finish_reason": reason}
+                   role: str | None = None, logprobs: list[Any] | None = None) -> Any:
+            lp = None
+            if logprobs is not None:
+                lp = chat_logprobs(tok, logprobs) if chat else offsets[i](logprobs)
+            c = {"index": i, "logprobs": lp, "finish_reason": reason}
             if not chat:
                 return {**c, "text": fields.get("content") or ""}
             # role and content always; reasoning and tool calls only when the model made some
@@ -382,31 +453,62 @@ def build_app(llm: LLM, served_model_name: str, max_queue: int = 256,
             msg = {"role": role, "content": None, **set_}
             return {**c, "delta" if body.stream else "message": msg}
 
+        def prompt_part(i: int) -> tuple[str, list[Any] | None]:
+            """An echoed prompt's text, and its tokens' log-probabilities when asked (the
+            engine has them once it returned the choice's first tokens)."""
+            prompt = body.one_prompt()
+            text = prompt if isinstance(prompt, str) else llm.decode(ids)
+            lps = handles[i].req.prompt_logprobs
+            return text, None if lps is None else [*zip(ids, lps)]
+
         if not body.stream:
             last: dict[int, tuple[str | None, int]] = {}
+            logprobs: dict[int, list[Any]] = {i: [] for i in range(len(handles))}
             try:
                 async with contextlib.aclosing(merged(gens)) as items:
-                    async for i, (_, reason, n) in items:
+                    async for i, (_, reason, n, lps) in items:
                         last[i] = reason, n
+                        logprobs[i] += lps or []
             finally:
                 close_all()
-            choices = [choice(i, limit.result(out.result()).to_openai() if out else {},
-                              last[i][0], "assistant") for i, out in enumerate(outs)]
+            choices = []
+            for i, out in enumerate(outs):
+                fields = limit.result(out.result()).to_openai() if out else {}
+                entries: list[Any] | None = None
+                if handles[i].req.logprobs is not None:
+                    entries = logprobs[i] if chat else [(x.token, x) for x in logprobs[i]]
+                if echo:
+                    text, prompt_lps = prompt_part(i)
+                    fields = {"content": text + (fields.get("content") or "")}
+                    if entries is not None and prompt_lps is not None:
+                        entries = prompt_lps + entries
+                choices.append(choice(i, fields, last[i][0], "assistant", entries))
             return JSONResponse(obj(choices, sum(n for _, n in last.values())))
 
         async def events() -> AsyncIterator[str]:
             tokens: dict[int, int] = {}
+            pending: dict[int, list[Any]] = {}  # log-probabilities not sent yet, per choice
+            echoed: set[int] = set()
             try:
                 if chat:
                     for i in range(len(gens)):
                         yield _sse(obj([choice(i, {"content": ""}, None, "assistant")]))
                 async with contextlib.aclosing(merged(gens)) as items:
-                    async for i, (piece, reason, n) in items:
+                    async for i, (piece, reason, n, lps) in items:
+                        if echo and i not in echoed:
+                            echoed.add(i)
+                            text, prompt_lps = prompt_part(i)
+                            yield _sse(obj([choice(i, {"content": text}, None,
+                                                   logprobs=prompt_lps)]))
+                        if lps:
+                            pending.setdefault(i, []).extend(
+                                lps if chat else [(x.token, x) for x in lps])
                         if piece := limit.delta(piece):
-                            yield _sse(obj([choice(i, piece.to_openai(), None)]))
+                            yield _sse(obj([choice(i, piece.to_openai(), None,
+                                                   logprobs=pending.pop(i, None))]))
                         if reason is not None:
                             tokens[i] = n
-                            yield _sse(obj([choice(i, {}, reason)]))
+                            yield _sse(obj([choice(i, {}, reason, logprobs=pending.pop(i, None))]))
                 if body.include_usage:
                     yield _sse(obj([], sum(tokens.values())))
                 yield "data: [DONE]\n\n"
@@ -471,6 +573,44 @@ def build_app(llm: LLM, served_model_name: str, max_queue: int = 256,
     app.add_middleware(Guard, hosts=hosts, api_key=key)
     srv.engine.metrics.instrument(app)  # outside the guard: its refusals are counted too
     return app
+
+
+def _token(tok: Any, token: int) -> tuple[str, list[int]]:
+    """A token's text (`token_strs`) and its bytes."""
+    return token_strs(tok, [token])[0], list(tok.decode_bytes([token]))
+
+
+def chat_logprobs(tok: Any, logprobs: list[Logprob]) -> dict[str, Any]:
+    """OpenAI's `choices[].logprobs` of a chat answer's tokens: `content`, one entry per token
+    (`token`, `logprob`, `bytes`, `top_logprobs`: the same for the most likely tokens)."""
+    def entry(token: int, logprob: float) -> dict[str, Any]:
+        text, raw = _token(tok, token)
+        return {"token": text, "logprob": logprob, "bytes": raw}
+
+    return {"content": [{**entry(x.token, x.logprob),
+                         "top_logprobs": [entry(t, v) for t, v in x.top]} for x in logprobs]}
+
+
+class CompletionLogprobs:
+    """OpenAI's completions `logprobs` of a choice's `(token, Logprob or None)` entries (None:
+    an echoed prompt's first token, which has none): `tokens`, `token_logprobs`,
+    `top_logprobs` (token text -> log-probability) and `text_offset`, each token's offset in
+    the choice's text, running on from one call (a streamed chunk) to the next."""
+
+    def __init__(self, tok: Any):
+        self.tok, self.offset = tok, 0
+
+    def __call__(self, entries: list[tuple[int, Logprob | None]]) -> dict[str, Any]:
+        out: dict[str, list[Any]] = {"tokens": [], "token_logprobs": [], "top_logprobs": [],
+                                     "text_offset": []}
+        for token, lp in entries:
+            out["tokens"].append(_token(self.tok, token)[0])
+            out["token_logprobs"].append(None if lp is None else lp.logprob)
+            out["top_logprobs"].append(None if lp is None else {
+                _token(self.tok, t)[0]: v for t, v in lp.top})
+            out["text_offset"].append(self.offset)
+            self.offset += len(self.tok.decode([token], skip_special_tokens=True))
+        return out
 
 
 def token_strs(tok: Any, ids: list[int]) -> list[str]:

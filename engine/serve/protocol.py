@@ -2,11 +2,13 @@
 the fields (sampling fields reuse `engine.config`'s types), and the error body.
 Request defaults follow OpenAI's (`temperature` 1.0); extensions: `top_k` (-1 off), `ignore_eos`
 and vLLM's `chat_template_kwargs` and `reasoning_content`; parameters the engine does not
-implement are accepted at their neutral values (`response_format` `{"type": "text"}`,
-`logit_bias` `{}`, `top_logprobs` 0, ...) and refused, naming the field, at any other. `n` (up
-to MAX_N) and `parallel_tool_calls` are served by the app (engine.serve.app); `/tokenize` and
-`/detokenize` take vLLM's bodies (TokenizeCompletionRequest, TokenizeChatRequest,
-DetokenizeRequest)."""
+implement are accepted at their neutral values (`presence_penalty` 0, `suffix` "", ...) and
+refused, naming the field, at any other. `logit_bias`, `logprobs` (chat: with `top_logprobs`;
+completions: a count, with `echo`), `response_format` (`json_object`, `json_schema`) and
+`tool_choice` "required" or a named function reach the engine as `SamplingParams` (the last
+two as a grammar the app builds: `engine.grammar`). `n` (up to MAX_N) and
+`parallel_tool_calls` are served by the app (engine.serve.app); `/tokenize` and `/detokenize`
+take vLLM's bodies (TokenizeCompletionRequest, TokenizeChatRequest, DetokenizeRequest)."""
 
 from __future__ import annotations
 
@@ -14,9 +16,29 @@ import json
 from typing import Annotated, Any, Literal, TypeVar
 
 from fastapi import HTTPException
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
-from engine.config import SamplingParams, Seed, StopString, Temperature, TopK, TopP, error_parts
+from engine.config import (
+    MAX_LOGIT_BIAS,
+    MAX_TOP_LOGPROBS,
+    LogitBias,
+    SamplingParams,
+    Seed,
+    StopString,
+    Temperature,
+    TopK,
+    TopLogprobs,
+    TopP,
+    error_parts,
+)
 
 MAX_BODY_BYTES = 16 << 20  # the default of `--max-body-bytes`
 # Bounds on what a body may make the server template and tokenize (checked while parsing, before
@@ -25,6 +47,7 @@ MAX_MESSAGES = 4096
 MAX_TOOLS = 256
 MAX_STOP = 4
 MAX_N = 8  # choices per request (`n`): each is its own request in the engine
+MAX_COMPLETION_LOGPROBS = 5  # OpenAI's bound on the completions route's `logprobs`
 # The parser's work grows with a body's JSON values, not its bytes (16 MB of `{}` take seconds,
 # holding the interpreter lock the whole time). Before parsing, a body's commas plus its braces
 # and brackets weighted by what building a container costs (8 commas' worth), counted over the
@@ -87,6 +110,8 @@ UNSUPPORTED = {
     "function_call": "deprecated by OpenAI and not supported here: send tool_choice",
     "parallel_tool_calls": "only the chat route has tool calls",
     "response_format": "only the chat route takes a response_format",
+    "top_logprobs": "the completions route takes logprobs as a count (0 to 5)",
+    "echo": "only the completions route echoes its prompt",
     "tools": "only the chat route takes tools",
     "tool_choice": "only the chat route takes tools",
     "audio": "this server generates text only",
@@ -128,8 +153,9 @@ class _Request(_Strict):
     user: str | None = None
     presence_penalty: Neutral | None = None
     frequency_penalty: Neutral | None = None
-    logprobs: Literal[False, 0] | None = None
-    logit_bias: Annotated[dict[str, Any], Field(max_length=0)] | None = None
+    # token id (a decimal string, as JSON keys are) -> bias; ids past the vocabulary are
+    # refused by the app, which knows it
+    logit_bias: Annotated[dict[str, LogitBias], Field(max_length=MAX_LOGIT_BIAS)] | None = None
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -153,9 +179,16 @@ class _Request(_Strict):
 
     @field_validator("logit_bias", mode="before")
     @classmethod
-    def _no_bias(cls, v: Any) -> Any:
-        if isinstance(v, dict) and v:
-            raise ValueError("logit_bias is not supported: only {} (no bias) is accepted")
+    def _bias_shape(cls, v: Any) -> Any:
+        # NOTE: before the entries' own checks, so the count and the keys are named first.
+        if isinstance(v, dict):
+            if len(v) > MAX_LOGIT_BIAS:
+                raise ValueError(f"{len(v)} entries; at most {MAX_LOGIT_BIAS} tokens may be "
+                                 f"biased (OpenAI's limit)")
+            bad = next((k for k in v if not (k.isascii() and k.isdigit() and len(k) <= 18)),
+                       None)
+            if bad is not None:
+                raise ValueError(f"key {bad!r} is not a token id (a non-negative integer)")
         return v
 
     @field_validator("stream_options")
@@ -169,17 +202,30 @@ class _Request(_Strict):
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
+    def logprob_counts(self) -> tuple[int | None, int | None]:
+        """How many most likely tokens to report beside each new token, and beside each prompt
+        token (None: no log-probabilities)."""
+        return None, None
+
     def sampling_params(self, max_new_tokens: int) -> SamplingParams:
         stop = [self.stop] if isinstance(self.stop, str) else self.stop or []
         same = self.model_dump(include={"temperature", "top_p", "top_k", "seed", "ignore_eos"})
-        return SamplingParams(**same, max_new_tokens=max_new_tokens, stop=tuple(stop))
+        bias = tuple(sorted((int(k), float(v)) for k, v in (self.logit_bias or {}).items()))
+        logprobs, prompt_logprobs = self.logprob_counts()
+        return SamplingParams(**same, max_new_tokens=max_new_tokens, stop=tuple(stop),
+                              logit_bias=bias, logprobs=logprobs,
+                              prompt_logprobs=prompt_logprobs)
 
 
 class CompletionRequest(_Request):
     prompt: Text | Ids | Annotated[list[Text] | list[Ids], Field(min_length=1, max_length=1)]
-    echo: Literal[False] = False
+    echo: bool = False
+    logprobs: Annotated[int, Field(ge=0, le=MAX_COMPLETION_LOGPROBS)] | None = None
     best_of: Positive | None = None
     suffix: Literal[""] | None = None
+
+    def logprob_counts(self) -> tuple[int | None, int | None]:
+        return self.logprobs, self.logprobs if self.echo else None
 
     @field_validator("best_of")
     @classmethod
@@ -235,56 +281,97 @@ TemplateKey = Annotated[str, Field(pattern=r"^(?!(?:self|messages|tools|document
                                            r"add_generation_prompt)$)[A-Za-z_]\w*$")]
 
 
+class JsonSchemaFormat(_Strict):
+    name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
+    description: str | None = None
+    # NOTE: `schema` by its alias: the name would shadow pydantic's own `BaseModel.schema`.
+    schema_: dict[str, Any] = Field({}, alias="schema")
+    strict: bool | None = None
+
+
 class ResponseFormat(_Strict):
-    type: str
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self) -> ResponseFormat:
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("json_schema is given exactly when type is 'json_schema'")
+        return self
 
 
 class ChatRequest(_Request):
-    """`tools` reach the chat template; `tool_choice` "none" leaves the answer unparsed, a named
-    function is prompted like "auto" and only its calls are returned (no guided decoding);
-    "required" is refused (it needs constrained decoding, which the engine's step does not do).
-    `parallel_tool_calls` false returns at most the first well-formed call (the app drops the
-    rest). `response_format` takes only `{"type": "text"}`: `json_object` and `json_schema` need
-    constrained decoding too."""
+    """`tools` reach the chat template; `tool_choice` "none" leaves the answer unparsed;
+    "required" or a named function is enforced: the answer is one tool-call section whose calls
+    (only that function's) have arguments that validate against their tool's schema (a grammar
+    the app builds). `parallel_tool_calls` false allows one call. `response_format`
+    `json_object` or `json_schema` is enforced the same way: the answer is that JSON, or,
+    beside tools the model may call ("auto"), a tool-call section (not beside a forced call:
+    both shape the whole answer). `logprobs` true reports each token's, with `top_logprobs`
+    most likely tokens' each."""
 
     model_config = ConfigDict(regex_engine="python-re")  # TemplateKey looks ahead
     # NOTE: the chat renderer checks the messages (engine.chat), the one place that knows them
     messages: Annotated[list[dict[str, Any]], Field(min_length=1, max_length=MAX_MESSAGES)]
     max_completion_tokens: Positive | None = None
     tools: Annotated[list[Tool], Field(max_length=MAX_TOOLS)] | None = None
-    tool_choice: Literal["none", "auto"] | NamedToolChoice | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
     response_format: ResponseFormat | None = None
-    top_logprobs: Literal[0] | None = None
+    logprobs: bool | None = None
+    top_logprobs: TopLogprobs | None = None
     chat_template_kwargs: dict[TemplateKey, Any] | None = None
-
-    @field_validator("tool_choice", mode="before")
-    @classmethod
-    def _tool_choice_supported(cls, v: Any) -> Any:
-        if v == "required":
-            raise ValueError("'required' is not supported: forcing a call needs constrained "
-                             "decoding, which this server does not do; send 'auto', 'none' or "
-                             "a named function ({'type': 'function', 'function': {'name': "
-                             "...}}: prompted like 'auto', only its calls returned)")
-        return v
-
-    @field_validator("response_format", mode="before")
-    @classmethod
-    def _text_only(cls, v: Any) -> Any:
-        kind = v.get("type") if isinstance(v, dict) else None
-        if isinstance(kind, str) and kind != "text":
-            raise ValueError(f"type {kind!r} is not supported: this server supports only "
-                             f"{{'type': 'text'}} (json_object and json_schema need constrained "
-                             f"decoding, which this server does not do)")
-        return v
 
     @field_validator("tool_choice")
     @classmethod
-    def _named_tool_exists(cls, v: Any, info: ValidationInfo) -> Any:
+    def _forced_tool_exists(cls, v: Any, info: ValidationInfo) -> Any:
+        tools = info.data.get("tools") or []
+        if v == "required" and not tools:
+            raise ValueError("tool_choice 'required' needs tools to call")
         name = v.function.name if isinstance(v, NamedToolChoice) else None
-        if name is not None and name not in {t.function.name for t in info.data.get("tools") or []}:
+        if name is not None and name not in {t.function.name for t in tools}:
             raise ValueError(f"tool_choice names {name!r}, which is not among tools")
         return v
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_with_logprobs(cls, v: Any, info: ValidationInfo) -> Any:
+        if v and not info.data.get("logprobs"):
+            raise ValueError(f"top_logprobs ({v}) needs logprobs true (at most "
+                             f"{MAX_TOP_LOGPROBS})")
+        return v
+
+    @field_validator("response_format")
+    @classmethod
+    def _one_constraint(cls, v: Any, info: ValidationInfo) -> Any:
+        choice = info.data.get("tool_choice")
+        if v is not None and v.type != "text" and (
+                choice == "required" or isinstance(choice, NamedToolChoice)):
+            raise ValueError(f"type {v.type!r} and a forced tool call (tool_choice 'required' "
+                             f"or a named function) both shape the whole answer: send one")
+        return v
+
+    def logprob_counts(self) -> tuple[int | None, int | None]:
+        return (self.top_logprobs or 0) if self.logprobs else None, None
+
+    @property
+    def forced_tools(self) -> list[Tool] | None:
+        """The tools a forced call may call (tool_choice "required": any; a named function:
+        that one), None when no call is forced."""
+        choice, tools = self.tool_choice, self.tools or []
+        if choice == "required":
+            return list(tools)
+        if isinstance(choice, NamedToolChoice):
+            return [t for t in tools if t.function.name == choice.function.name]
+        return None
+
+    @property
+    def answer_schema(self) -> dict[str, Any] | None:
+        """The JSON schema the answer must match (json_object: any object), None for text."""
+        f = self.response_format
+        if f is None or f.type == "text":
+            return None
+        return {"type": "object"} if f.json_schema is None else f.json_schema.schema_
 
     def content_bytes(self) -> int:
         """UTF-8 bytes of the text content of the messages other than the assistant's (a

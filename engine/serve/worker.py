@@ -42,7 +42,8 @@ class ClientGone(Exception):
 @dataclass
 class Handle:
     """One HTTP request's link to the engine. `queue` receives ("tokens", new_ids,
-    finish_reason | None, text_end) items, or ("error", msg)."""
+    finish_reason | None, text_end, logprobs) items (`logprobs`: the new tokens'
+    `engine.runner.Logprob`s, None unless the request asks), or ("error", msg)."""
 
     req: EngineRequest
     # Whether the answer is sent as it grows. A whole answer's handler wakes only for the last
@@ -53,6 +54,7 @@ class Handle:
     closed: bool = False
     _checked: float = 0.0
     _held: list[int] = field(default_factory=list)  # tokens not yet queued (not `stream`)
+    _held_logprobs: list[Any] = field(default_factory=list)  # and their log-probabilities
 
     async def next(self, http: Request) -> tuple[Any, ...]:
         """The next item; raises ClientGone if `http`'s client disconnects."""
@@ -188,7 +190,8 @@ class Engine:
                           exc_info=ev.error)
                 out.append((req.rid, ("error", BLAMED if ev.blamed else UNATTRIBUTED)))
             elif ev.new_ids or ev.finished:
-                out.append((req.rid, ("tokens", list(ev.new_ids), reason, req.text_end)))
+                out.append((req.rid, ("tokens", list(ev.new_ids), reason, req.text_end,
+                                      ev.logprobs)))
         if out:
             self._to_loop(self._deliver, out)
 
@@ -229,15 +232,18 @@ class Engine:
             if item[0] == "error":
                 self._fail([rid], item[1])
                 continue
-            kind, new, reason, text_end = item
+            kind, new, reason, text_end, logprobs = item
             if reason is None and not h.stream:
                 h._held += new
+                h._held_logprobs += logprobs or []
                 continue
             if reason is not None:
                 del self._live[rid]
             if h._held:
                 new, h._held = h._held + new, []
-            h.queue.put_nowait((kind, new, reason, text_end))
+                if logprobs is not None:
+                    logprobs, h._held_logprobs = h._held_logprobs + logprobs, []
+            h.queue.put_nowait((kind, new, reason, text_end, logprobs))
 
     def _fail(self, rids: list[int], message: str) -> None:
         for rid in rids:
