@@ -379,8 +379,7 @@ class StepGraphRunner:
         in one forward, each later chunk in a forward of its own over its cached prefix
         (`engine.spec.prefill_chunk`); for each with `params`, the next token (drawn with its
         `coin` unless greedy)."""
-        out: list[int | None] = [None] * len(inps)
-        self.last_logprobs = [None] * len(inps)
+        rows: dict[int, Tensor] = {}  # input -> its last position's logits, when wanted
         head = [i for i, inp in enumerate(inps) if inp.start == 0]
         if head:
             tokens, pages = [inps[i].tokens for i in head], [inps[i].pages for i in head]
@@ -389,24 +388,42 @@ class StepGraphRunner:
             else:
                 logits = prefill(self.models, self.pool, tokens, pages,
                                  expert_pass=self.eager_pass)
-            for i, row in zip(head, logits):
-                out[i], self.last_logprobs[i] = self._first(row, inps[i])
+            rows.update((i, row) for i, row in zip(head, logits) if inps[i].params is not None)
         for i, inp in enumerate(inps):
             if inp.start > 0:
                 row = prefill_chunk(self.models, self.pool, inp.tokens, inp.start, inp.pages,
                                     self.eager_pass, logits=inp.params is not None)
-                out[i], self.last_logprobs[i] = self._first(row, inp)
+                if row is not None:
+                    rows[i] = row
+        out: list[int | None] = [None] * len(inps)
+        self.last_logprobs = [None] * len(inps)
+        drawn = {i: self._adjusted(row, inps[i]) for i, row in rows.items()}
+        firsts = [self._draw(logits, inps[i].params, inps[i].coin)
+                  for i, (logits, _) in drawn.items()]
+        for (i, (_, raw)), token in zip(drawn.items(),
+                                        self.read(torch.cat(firsts)) if firsts else []):
+            out[i] = token
+            k = inps[i].params.logprobs
+            if k is not None:
+                lp = torch.log_softmax(raw, -1)
+                top = lp.topk(min(k, lp.shape[-1]))
+                self.last_logprobs[i] = [_logprob(token, float(lp[token]), top.values.tolist(),
+                                                  top.indices.tolist(), k)]
         return out
 
+    def read(self, t: Tensor) -> list[Any]:
+        """The one device-to-host copy of a model call's result (`t.tolist()`): a prefill's
+        first tokens, a step's decision; the host waits for the device here, and nowhere else
+        in a call unless a row asks for log-probabilities or samples its first token with
+        top-p (eagerly, the sort reads its promise on the host)."""
+        return t.tolist()
+
     @staticmethod
-    def _first(logits: Tensor | None, inp: PrefillInputs
-               ) -> tuple[int | None, list[Logprob] | None]:
-        """The token drawn from last-position `logits [V]` with `inp`'s params, its uniform
-        `coin`, its bias and its grammar's mask (None without params: no token wanted), and
-        its `Logprob` when the params ask."""
+    def _adjusted(logits: Tensor, inp: PrefillInputs) -> tuple[Tensor, Tensor]:
+        """Last-position `logits [V]` with `inp`'s grammar mask and its bias applied, and the
+        same without the bias (what log-probabilities are reported from)."""
         p = inp.params
-        if p is None or logits is None:
-            return None, None
+        assert p is not None
         logits = logits.float().clone()
         dev = logits.device
         if inp.mask is not None:
@@ -415,26 +432,21 @@ class StepGraphRunner:
         if p.logit_bias:
             ids, values = zip(*p.logit_bias)
             logits.index_add_(0, torch.tensor(ids, device=dev), torch.tensor(values, device=dev))
-        token = StepGraphRunner._draw(logits, p, inp.coin)
-        if p.logprobs is None:
-            return token, None
-        lp = torch.log_softmax(raw, -1)
-        top = lp.topk(min(p.logprobs, lp.shape[-1]))
-        return token, [_logprob(token, float(lp[token]), top.values.tolist(),
-                                top.indices.tolist(), p.logprobs)]
+        return logits, raw
 
     @staticmethod
-    def _draw(logits: Tensor, p: SamplingParams, coin: float) -> int:
-        """The token drawn from `logits [V]` with `p` and uniform `coin`."""
+    def _draw(logits: Tensor, p: SamplingParams, coin: float) -> Tensor:
+        """The token drawn from `logits [V]` with `p` and uniform `coin`, on the device
+        (`[1]`)."""
         if p.greedy:
-            return int(logits.argmax())
+            return logits.argmax()[None]
         dev, (top_k, top_p) = logits.device, _cut(p)
         probs = target_probs(logits[None], torch.tensor([float(p.temperature)], device=dev),
                              torch.tensor([top_k], device=dev),
                              torch.tensor([float(top_p)], device=dev),
                              **row_promises([(top_k, top_p)], logits.shape[-1]),
                              sort_if_needed=True)
-        return int(sample_from_probs(probs, torch.tensor([coin], device=dev))[0])
+        return sample_from_probs(probs, torch.tensor([coin], device=dev))
 
     def load(self, inp: StepInputs, pad: bool = False) -> tuple[StepBuffers, StepShape, int]:
         """Copy `inp` into the static buffers. A graph runs its whole captured size (padding
@@ -548,9 +560,9 @@ class StepGraphRunner:
         with self.timer("host"):
             # NOTE: the only device-to-host copy of a step: the small decision tensors (and
             # the log-probabilities, when some row asks for them).
-            out = torch.cat([buf.accept_len[:b, None], buf.emit[:b]], dim=1).cpu()
-            accept = out[:, 0].tolist()
-            emit = [e[: a + 1] for e, a in zip(out[:, 1:].tolist(), accept)]
+            out = self.read(torch.cat([buf.accept_len[:b, None], buf.emit[:b]], dim=1))
+            accept = [r[0] for r in out]
+            emit = [r[1: a + 2] for r, a in zip(out, accept)]
             self.last_logprobs = [None] * b
             if shape.logprobs:
                 self._read_logprobs(buf, inp.params, emit)

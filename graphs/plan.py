@@ -660,6 +660,7 @@ def _phase(name: str, kind: str, bs: int, prompt_len: int | None, chunks: int | 
     return {"name": name, "kind": kind, "batch_size": bs, "prompt_len": prompt_len,
             "chunks": chunks, "peak_bytes": 0, "activation_bytes": t.activation_bytes,
             "workspace_bytes": t.workspace, "host_syncs": t.host_syncs,
+            "readbacks": t.readbacks,
             "sync_ops": dict(t.syncs), "launches": t.launches, "collectives": t.collectives}
 
 

@@ -111,6 +111,7 @@ class Tally:
     peak: int  # the most live at once since
     launches: int = 0
     syncs: Counter[str] = field(default_factory=Counter)  # op name -> host syncs
+    readbacks: int = 0  # copies of a call's result to the host (`StepGraphRunner.read`)
     collectives: int = 0
     workspace: int = 0  # the largest kernel workspace (`kernel_workspace`)
 
@@ -215,6 +216,7 @@ class DeviceMode(TorchDispatchMode):
         self.values: dict[int, tuple[weakref.ref, Tensor]] = {}
         self.cache: dict[Any, Any] = {}
         self.ops: dict[Any, _Op] = {}
+        self.reading = False  # inside `readback`
 
     @contextmanager
     def phase(self) -> Iterator[Tally]:
@@ -229,6 +231,16 @@ class DeviceMode(TorchDispatchMode):
             tally.collectives = sum(self.group.comm.calls.values()) - calls
             tally.launches += tally.collectives
 
+    @contextmanager
+    def readback(self) -> Iterator[None]:
+        """What syncs inside is the read of a call's result (a prefill's first token, as a
+        step's decision): counted as `readbacks`, not as host syncs."""
+        self.reading = True
+        try:
+            yield
+        finally:
+            self.reading = False
+
     # ---- dispatch ----------------------------------------------------------------------------
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None
@@ -239,7 +251,10 @@ class DeviceMode(TorchDispatchMode):
             return func(*args, **kwargs)  # host work runs for real
         op = self.ops.get(func) or self.ops.setdefault(func, _Op.of(func))
         if op.sync is not None and self._syncs(func, op, args, kwargs):
-            self.tally.syncs[op.name] += 1
+            if self.reading:
+                self.tally.readbacks += 1
+            else:
+                self.tally.syncs[op.name] += 1
             out = self._stand_in(func, op.name, args, kwargs)
             self.tally.launches += op.sync not in ("copy", "scalar")
         else:
@@ -472,9 +487,19 @@ def rehearse_prefill(mode: DeviceMode, runner: StepGraphRunner, *, prompt_len: i
                       SamplingParams(max_new_tokens=1)))
     bar = tqdm(total=-(-prompt_len // chunk), desc=f"prefilling {prompt_len:,} tokens",
                unit="chunk", disable=not progress)
-    with mode.phase() as tally:
-        while sched.has_work:
-            sched.step()
-            bar.update(counted.calls - bar.n)
-    bar.close()
+    read = runner.read
+
+    def read_back(t: Tensor) -> list[Any]:
+        with mode.readback():
+            return read(t)
+
+    runner.read = read_back  # type: ignore[method-assign]
+    try:
+        with mode.phase() as tally:
+            while sched.has_work:
+                sched.step()
+                bar.update(counted.calls - bar.n)
+    finally:
+        del runner.read
+        bar.close()
     return tally, counted.calls

@@ -23,19 +23,21 @@ PrefixKernel = Callable[[Tensor, Tensor, Tensor, Tensor], tuple[Tensor, Tensor]]
 
 def mla_naive(
     q_nope: Tensor, q_pe: Tensor, k_nope: Tensor, k_pe: Tensor, v: Tensor, scale: float,
-    causal: bool = True,
+    causal: bool | Tensor = True,
 ) -> Tensor:
     """Plain multi-head attention over expanded keys (prefill).
 
     `q_nope [B, T, H, Dn]`, `q_pe [B, T, H, P]`, `k_nope [B, T, H, Dn]`, `k_pe [B, T, P]` (shared
-    by all heads), `v [B, T, H, Dv]` -> `[B, T, H, Dv]`.
+    by all heads), `v [B, T, H, Dv]` -> `[B, T, H, Dv]`. `causal`: True, or the causal mask
+    `[T, T]` (True where a query sees a key) when the caller made it once for every layer.
     """
     s = torch.einsum("bqhd,bkhd->bhqk", q_nope.float(), k_nope.float())
     s = s + torch.einsum("bqhd,bkd->bhqk", q_pe.float(), k_pe.float())
     s = s * scale
-    if causal:
+    if causal is not False:
         T = s.shape[-1]
-        mask = torch.ones(T, T, dtype=torch.bool, device=s.device).tril()
+        mask = causal if isinstance(causal, Tensor) else \
+            torch.ones(T, T, dtype=torch.bool, device=s.device).tril()
         s = s.masked_fill(~mask, NEG_INF)
     p = torch.softmax(s, dim=-1)
     return torch.einsum("bhqk,bkhd->bqhd", p, v.float()).to(v.dtype)

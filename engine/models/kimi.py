@@ -142,15 +142,17 @@ class MLA(nn.Module):
         kpe = apply_rope_interleaved(kv[..., None, c.kv_lora_rank:], cos, sin)[..., 0, :]
         return q, torch.cat([ckv, kpe], dim=-1)
 
-    def forward_naive(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
-        """Causal attention over `x [B, T, H]`; also returns the cache rows `[B, T, R + P]`."""
+    def forward_naive(self, x: Tensor, cos: Tensor, sin: Tensor, causal: Tensor | bool = True
+                      ) -> tuple[Tensor, Tensor]:
+        """Causal attention over `x [B, T, H]` (`causal`: as `mla_naive` takes it); also
+        returns the cache rows `[B, T, R + P]`."""
         c = self.cfg
         q, row = self.latents(x, cos, sin)
         kvb = self.kv_b_proj(row[..., :c.kv_lora_rank])
         kvb = kvb.view(*x.shape[:-1], self.num_heads, c.qk_nope_head_dim + c.v_head_dim)
         k_nope, v = kvb[..., :c.qk_nope_head_dim], kvb[..., c.qk_nope_head_dim:]
         o = mla_naive(q[..., :c.qk_nope_head_dim], q[..., c.qk_nope_head_dim:], k_nope,
-                      row[..., c.kv_lora_rank:], v, self.scale)
+                      row[..., c.kv_lora_rank:], v, self.scale, causal)
         return self.o_proj(o.reshape(*x.shape[:-1], -1)), row
 
     def _absorb_weights(self) -> tuple[Tensor, Tensor]:
@@ -301,9 +303,11 @@ class KimiForCausalLM(nn.Module):
         B, T = input_ids.shape
         pos = torch.arange(T, device=input_ids.device).expand(B, T)
         cos, sin = self._rope(pos)
+        # NOTE: one mask for every layer: two launches, not two a layer
+        causal = torch.ones(T, T, dtype=torch.bool, device=input_ids.device).tril()
 
         def attend(attn: MLA, x: Tensor, i: int) -> tuple[Tensor, Tensor]:
-            return attn.forward_naive(x, cos, sin)
+            return attn.forward_naive(x, cos, sin, causal)
 
         h = self.model.embed_tokens(input_ids)
         aux = []
