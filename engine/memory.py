@@ -116,10 +116,10 @@ def checkpoint_bytes(path: str | Path | None) -> int:
 
 def step_activation_bytes(*, rows: int, vocab_size: int) -> int:
     """A step's live activations, estimated: float32 logits over every verified and drafted
-    row, twice over (logits, then probabilities or the sampler's temporaries). `graphs.plan`
-    measures the real step on the meta device (`peak_activation_bytes`) and says when it
-    exceeds this."""
-    return 2 * rows * vocab_size * 4
+    row, three times over (logits, probabilities, the sampler's temporaries: a sampled step
+    with a top-p row at batch 64 measured 1.05x twice over). `graphs.plan` measures every
+    captured step on the meta device and says when one exceeds this."""
+    return 3 * rows * vocab_size * 4
 
 
 def default_prefill_chunk(device_type: str) -> int:
@@ -235,7 +235,11 @@ def size_kv_pool(*, budget_bytes: int, used_bytes: int, reserve_bytes: int,
             f"({bytes_per_token:,} bytes a token), but {gb(max(room, 0))} is left of the "
             f"{gb(budget_bytes)} budget ({budget_flag or 'the memory budget'}) after "
             f"{gb(used_bytes)} in use (the weights) and a {gb(reserve_bytes)} reserve for "
-            f"activations: lower --max-model-len, raise --tp (now {tp}: the weights split over "
-            f"more GPUs) or raise --gpu-memory-utilization (or --cpu-memory-budget on the CPU)")
+            f"activations: " + (
+                f"lower --max-model-len (at most {(fit - 1) * page_size:,} tokens fit), "
+                if fit > 1 else "no --max-model-len fits (the weights and the reserve alone "
+                f"pass the budget by {gb(-room)}), so ") +
+            f"raise --tp (now {tp}: the weights split over more GPUs) or raise "
+            f"--gpu-memory-utilization (or --cpu-memory-budget on the CPU)")
     return PoolSize(min(fit, cap), page_size, bytes_per_token, pages_per_context,
                     max_model_len, fit, cap, budget_bytes, used_bytes, reserve_bytes)
