@@ -240,3 +240,23 @@ def test_bench_soak_passes_a_short_mix(tmp_path: Path, capsys) -> None:
     out = capsys.readouterr().out
     assert "result: PASS" in out and "unexpected" not in out
     assert "server log: 0 ERROR or Traceback lines" in out
+
+
+def test_bench_host_times_the_real_scheduler_around_a_noop_step(tmp_path: Path) -> None:
+    """`python -m bench.host` at two sizes: a row per (batch, context, stop strings), its host
+    time per step and per token, with the no-op step's tokens applied to every row."""
+    from bench import host
+
+    out = tmp_path / "host.json"
+    assert host.main(["--batch-sizes", "1,2", "--contexts", "40", "--steps", "2", "--rounds",
+                      "1", "--json", str(out), "--out", str(tmp_path)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["batch_size"], r["stop_strings"]) for r in rows] == [(1, 0), (1, 2), (2, 0),
+                                                                    (2, 2)]
+    for r in rows:
+        assert r["context"] == 40 and r["host_us_per_step"] > 0
+        assert r["host_us_per_token"] == pytest.approx(
+            r["host_us_per_step"] / (4 * r["batch_size"]))
+    sched, reqs = host.setup(host.LLM(progress=False, kv_pages=2, compile="off"), 2, 40, 4, True)
+    sched.step()
+    assert all(len(r.output_ids) == 1 + 4 and r.cache_len == 44 for r in reqs)
