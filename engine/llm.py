@@ -38,7 +38,7 @@ from engine.request import Request
 from engine.runner import Logprob, PhaseTimer, StepGraphRunner
 from engine.scheduler import Scheduler
 from engine.spec import Models, StepShape
-from engine.tokenizer import Tokenizer
+from engine.tokenizer import IncrementalDecoder, Tokenizer
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_MODEL = REPO / "models" / "kimi-mini"
@@ -253,7 +253,7 @@ class LLM:
             runner, num_pages=num_pages, page_size=cfg.page_size, vocab_size=mc.vocab_size,
             prefill_chunk=prefill_chunk(cfg, device),
             max_batch_size=cfg.max_batch_size, max_model_len=self.max_model_len,
-            stop_ids=stop_ids, detok=self.decode if self.tokenizer else None,
+            stop_ids=stop_ids, decoder=self._stop_decoder if self.tokenizer else None,
             grammars=Grammars(self.tokenizer, mc.vocab_size) if self.tokenizer else None)
         self.stats: dict[str, Any] = {}
         self._next_id = 0
@@ -340,6 +340,10 @@ class LLM:
         if self.tokenizer is None:
             raise ValueError(f"{self.model_dir} has no tokenizer (tiktoken.model); pass token ids")
         return self.tokenizer
+
+    def _stop_decoder(self) -> IncrementalDecoder:
+        assert self.tokenizer is not None
+        return self.tokenizer.stream_decoder(skip_special_tokens=True)
 
     def decode(self, ids: list[int]) -> str:
         """Output text: special tokens (`<|im_end|>`, reserved ids) leave no text."""

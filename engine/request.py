@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+import itertools
 import random
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from engine.config import SamplingParams
 from engine.grammar import Matcher
 
 if TYPE_CHECKING:
     from engine.runner import Logprob
+
+
+# Page-table ids, unique in the process (`Request.table`).
+_TABLES = itertools.count(1)
 
 
 @dataclass
@@ -33,8 +38,15 @@ class Request:
     # (None for the first), once the prompt is cached.
     logprobs: list[Logprob] | None = field(default=None, repr=False)
     prompt_logprobs: list[Logprob | None] | None = field(default=None, repr=False)
+    # With stop strings: the output's text as the scheduler decoded it, token by token, and the
+    # decoder that holds a character split across tokens (`engine.scheduler.TextDecoder`).
+    decoded: str = field(default="", repr=False)
+    text_decoder: Any = field(default=None, repr=False)
     rng: random.Random = field(init=False, repr=False)
     drawn: list[float] = field(init=False, repr=False)  # coins of output positions 0, 1, ...
+    # Names `pages` for the runner while the list only grows (`StepInputs.tables`); a new one
+    # once the pages are given back (`new_table`).
+    table: int = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         # NOTE: one stream per request, so a seeded request draws the same coins whatever
@@ -42,8 +54,13 @@ class Request:
         seed = self.params.seed if self.params.seed is not None else random.getrandbits(63)
         self.rng = random.Random(seed)
         self.drawn = []
+        self.table = next(_TABLES)
         if self.logprobs is None and self.params.logprobs is not None:
             self.logprobs = []
+
+    def new_table(self) -> None:
+        """Its pages were given back: the next ones are another table."""
+        self.table = next(_TABLES)
 
     @property
     def anchor(self) -> int:

@@ -85,6 +85,10 @@ class StepInputs:
     # `ops.logits`'s layout), None for a row without a grammar; empty: no row has one. A row
     # with a mask decodes plainly: one token a step, drawn from its masked root.
     masks: list[Any] = field(default_factory=list)
+    # Each row's page-table id: the same id, the same list of pages, grown at its end only
+    # (a new id when a request's pages are freed and taken again). The runner then writes
+    # only the pages added since it last staged that id; empty: every row written whole.
+    tables: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -220,6 +224,9 @@ class StepGraphRunner:
         for bs, buf in self.buffers.items():
             _pad(buf.inputs(), 0)
             _pad(self.staging[bs], 0)
+        # (padded size) -> what each row of its staged page table holds: (table id, pages)
+        self.staged_tables: dict[int, list[tuple[int | None, int]]] = {
+            bs: [] for bs in self.capture_sizes}
         self.graphs: dict[tuple[int, StepShape], Any] = {}
         # (batch size, shape) -> {"seconds": capture wall time, "bytes": pool growth}
         self.capture_stats: dict[tuple[int, StepShape], dict[str, float]] = {}
@@ -293,6 +300,7 @@ class StepGraphRunner:
         if pad:
             _pad(buf.inputs(), 0)
             _pad(host, 0)
+            self.staged_tables[bs] = []
         self.models.attention.plan(host["page_table"], host["cache_len"], shape.num_nodes)
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
@@ -358,6 +366,7 @@ class StepGraphRunner:
                 t0 = time.perf_counter()
                 buf = self.buffers[bs].fit(shape)
                 _pad(buf.inputs(), 0)
+                self.staged_tables[bs] = []
                 compiled.build(buf, shape)
                 self.capture_stats[(bs, shape)] = {"seconds": time.perf_counter() - t0,
                                                    "bytes": 0}
@@ -488,13 +497,7 @@ class StepGraphRunner:
             most = max(map(len, inp.pages))
             width = min(self.max_pages, -(-most // 8) * 8 if self.compiled is not None else most)
         host = self.staging[size]
-        pt = host["page_table"]
-        pt[:b] = DUMMY_PAGE
-        for i, pages in enumerate(inp.pages):
-            if len(pages) > self.max_pages:
-                raise ValueError(f"row {i} holds {len(pages)} pages; the step's page table has "
-                                 f"{self.max_pages}")
-            pt[i, :len(pages)] = torch.tensor(pages, dtype=torch.int64)
+        self._stage_pages(size, host["page_table"], inp)
         S = shape.max_emit
         coins = torch.tensor(inp.coins, dtype=torch.float32).view(b, -1)
         p = inp.params
@@ -517,6 +520,36 @@ class StepGraphRunner:
             if dst is not host[k]:
                 dst.copy_(host[k], non_blocking=True)
         return buf, shape, width
+
+    def _stage_pages(self, size: int, pt: Tensor, inp: StepInputs) -> None:
+        """Each row's pages into the staged page table `pt [size, W]`, writing only what
+        changed since the last step of this size (`StepInputs.tables`): a row whose id was
+        staged keeps its pages (moved to its new row with the others in one gather when rows
+        shifted) and gets the ones added since; any other row is written whole. So the host's
+        work follows the pages a step adds, not the contexts' length."""
+        b = len(inp.pages)
+        for i, pages in enumerate(inp.pages):
+            if len(pages) > self.max_pages:
+                raise ValueError(f"row {i} holds {len(pages)} pages; the step's page table has "
+                                 f"{self.max_pages}")
+        held = self.staged_tables[size]
+        tables: Sequence[int | None] = inp.tables or [None] * b
+        row_of = {t: r for r, (t, _) in enumerate(held) if t is not None}
+        src = [row_of.get(t, -1) if t is not None else -1 for t in tables]
+        moved = [(i, j) for i, j in enumerate(src) if j not in (-1, i)]
+        if moved:
+            dst, frm = zip(*moved)
+            pt[list(dst)] = pt[list(frm)]
+        now: list[tuple[int | None, int]] = []
+        for i, (t, pages, j) in enumerate(zip(tables, inp.pages, src)):
+            n = held[j][1] if j >= 0 else 0
+            if j < 0 or len(pages) < n:
+                pt[i] = DUMMY_PAGE
+                n = 0
+            if len(pages) > n:
+                pt[i, n:len(pages)] = torch.tensor(pages[n:], dtype=torch.int64)
+            now.append((t, len(pages)))
+        self.staged_tables[size] = now  # rows b.. become padding (`_pad`)
 
     def run_loaded(self, buf: StepBuffers, shape: StepShape, width: int) -> None:
         """Run the step over buffers filled by `load` (replay on a GPU, eager elsewhere)."""

@@ -27,7 +27,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from engine.grammar import GrammarError, Grammars
 from engine.kv_cache import BlockAllocator, OutOfPages, pages_needed
@@ -42,22 +42,19 @@ def _context(req: Request) -> list[int]:
     return seq if not req.output_ids else seq[:-1]
 
 
-def stop_may_end(detok: Callable[[list[int]], str], out: list[int], new: int,
-                 stops: Sequence[str]) -> bool:
-    """Whether a stop string may end in the text of the `new` last tokens of `out`.
+class TextDecoder(Protocol):
+    """Output text decoded as tokens come (`engine.tokenizer.IncrementalDecoder`): `push`
+    returns the text the ids complete (a character split across ids waits for the rest;
+    special ids leave none)."""
 
-    Earlier steps ruled out every earlier end, so only a tail is decoded: one long enough to hold
-    the longest stop string before the new text, grown while special tokens (which leave no
-    text) or characters split across tokens keep it short. Callers confirm a hit on the whole
-    text, so a stop check costs a few tokens' decode per step instead of the whole output's."""
-    need = max(len(s) for s in stops) + 4  # characters; 4 cover a split character
-    new_chars = len(detok(out[-new:]))
-    n = new + need
-    while True:
-        tail = detok(out[-n:])
-        if n >= len(out) or len(tail) >= new_chars + need:
-            return any(s in tail for s in stops)
-        n *= 2
+    def push(self, ids: Sequence[int]) -> str: ...
+
+
+def find_stop(text: str, new_from: int, stops: Sequence[str]) -> int | None:
+    """Where the first of `stops` begins in `text`, given that none did in `text[:new_from]`
+    (earlier steps looked): only a match reaching past `new_from` is searched for."""
+    hits = [i for s in stops if (i := text.find(s, max(0, new_from - len(s) + 1))) >= 0]
+    return min(hits) if hits else None
 
 
 class RequestRejected(ValueError):
@@ -120,16 +117,19 @@ def step_inputs(reqs: Sequence[Request], coins_per_row: int, drafts: bool = Fals
     lag = [(r.prompt_ids + r.output_ids)[r.fed:r.cache_len] if r.fed < r.cache_len else []
            for r in reqs] if drafts else []
     masks = [r.matcher.mask() if r.matcher is not None else None for r in reqs]
+    # NOTE: each request's own page list, not a copy: the runner reads it within the call
+    # and writes only the pages added since its table id was last staged
     return StepInputs([r.anchor for r in reqs], [r.cache_len for r in reqs],
-                      [list(r.pages) for r in reqs], [r.params for r in reqs],
+                      [r.pages for r in reqs], [r.params for r in reqs],
                       [r.coins(coins_per_row) for r in reqs], lag, lagging(reqs),
-                      masks if any(m is not None for m in masks) else [])
+                      masks if any(m is not None for m in masks) else [],
+                      [r.table for r in reqs])
 
 
 class Scheduler:
     def __init__(self, runner: Any, *, num_pages: int, page_size: int, vocab_size: int,
                  max_batch_size: int, max_model_len: int, stop_ids: frozenset[int] = frozenset(),
-                 detok: Callable[[list[int]], str] | None = None, prefill_chunk: int = 2048,
+                 decoder: Callable[[], TextDecoder] | None = None, prefill_chunk: int = 2048,
                  grammars: Grammars | None = None):
         if prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be at least 1, got {prefill_chunk}")
@@ -142,7 +142,9 @@ class Scheduler:
         self.max_batch_size = max_batch_size
         self.max_model_len = max_model_len
         self.stop_ids = stop_ids
-        self.detok = detok
+        # A fresh decoder of a request's output text, for its stop strings: each token is
+        # decoded once, into the request's `decoded` text.
+        self.decoder = decoder
         self.grammars = grammars  # matchers of requests with a grammar (None: no tokenizer)
         self.waiting: deque[Request] = deque()
         # Admitted, their pages held, their prompts partly prefilled (`cache_len` of them).
@@ -223,6 +225,7 @@ class Scheduler:
         if req.pages:
             self.alloc.free(req.pages)
             req.pages = []
+            req.new_table()
         req.cache_len = req.fed = 0
 
     def _grow(self, req: Request, num_tokens: int) -> None:
@@ -302,12 +305,15 @@ class Scheduler:
                     len(req.prompt_ids) + len(req.output_ids) >= self.max_model_len:
                 req.finish_reason = "length"
                 break
-        if (p.stop and self.detok is not None and kept
-                and stop_may_end(self.detok, req.output_ids, len(kept), p.stop)):
-            text = self.detok(req.output_ids)
-            cut = [i for i in (text.find(s) for s in p.stop) if i >= 0]
-            if cut:
-                req.text_end = min(cut)
+        if p.stop and self.decoder is not None and kept:
+            if req.text_decoder is None:  # the output before, once (its first stop check)
+                req.text_decoder = self.decoder()
+                req.decoded = req.text_decoder.push(req.output_ids[:-len(kept)])
+            before = len(req.decoded)
+            req.decoded += req.text_decoder.push(kept)
+            cut = find_stop(req.decoded, before, p.stop)
+            if cut is not None:
+                req.text_end = cut
                 req.finish_reason = "stop"
         return kept
 

@@ -507,3 +507,30 @@ def test_step_with_quantized_weights_runs_on_fake_tensors(tmp_path, monkeypatch,
         shape = StepShape("tree", 6, BLOCK, sample)
         pool, buf = _fake_inputs(models, shape)
         run_on_fake(spec_step, models, pool, buf, shape)
+
+
+def test_page_tables_are_staged_incrementally(models):
+    """Rows keep their staged pages across steps by table id: a row that grew gets only its new
+    pages, rows that shifted move in one gather, a new or re-admitted id is written whole, and
+    after every step the staged table is exactly the one written from scratch."""
+    from engine.runner import StepInputs
+
+    runner = runner_for(models, make_pool(models), StepShape("ar", 1, BLOCK, False), [4])
+
+    def stage(rows: list[tuple[int, list[int]]]) -> None:
+        b = len(rows)
+        inp = StepInputs([1] * b, [0] * b, [p for _, p in rows], [SamplingParams()] * b,
+                         [[0.0] * runner.coins_per_row(b)] * b, tables=[t for t, _ in rows])
+        runner.load(inp)
+        want = torch.full_like(runner.staging[4]["page_table"], DUMMY_PAGE)
+        for i, (_, pages) in enumerate(rows):
+            want[i, :len(pages)] = torch.tensor(pages)
+        assert torch.equal(runner.staging[4]["page_table"], want), rows
+
+    a, b, c = [1, 2], [3], [4, 5, 6]
+    stage([(10, a), (11, b), (12, c)])
+    a.append(7)
+    stage([(10, a), (12, c), (13, [8])])  # b left: c shifts up, a grew, a new row
+    stage([(12, c), (10, a)])  # swapped
+    stage([(10, a), (14, [9])])  # c's pages given back; its next ones are another table
+    stage([(10, [11, 12]), (14, [9])])  # an id whose list shrank is written whole

@@ -4,8 +4,9 @@ and recomputation, stop conditions, aborts. No model, no torch."""
 from __future__ import annotations
 
 import ast
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -48,7 +49,8 @@ class FakeRunner:
         return [None if inp.params is None else inp.tokens[-1] + 1 for inp in inps]
 
     def step(self, inp: StepInputs, pad: bool = False) -> tuple[list[list[int]], list[int]]:
-        self.steps.append(inp)
+        # the rows' page lists as they are now (the scheduler hands its own, which grow later)
+        self.steps.append(replace(inp, pages=[list(p) for p in inp.pages]))
         span = self.step_shape(len(inp.anchor), inp.params, inp.lagging).max_emit
         for pages, n in zip(inp.pages, inp.cache_len):
             assert len(pages) * PAGE >= n + span, "a step may write past its pages"
@@ -211,7 +213,7 @@ def test_each_step_reserves_only_its_own_span():
 def test_stop_token_and_stop_string():
     r = FakeRunner(emit=4)
     detok = lambda ids: "".join(chr(96 + i % 26) for i in ids)  # noqa: E731
-    s = scheduler(r, detok=detok)
+    s = scheduler(r, decoder=lambda: SimpleNamespace(push=detok))
     eos = req(0, [EOS - 3], max_new_tokens=50)  # prefill gives EOS-2, the step EOS-1, EOS
     stop = req(1, [0], max_new_tokens=50, stop=("cde",))  # tokens 1.. spell "abcdef..."
     s.add(eos)

@@ -131,7 +131,7 @@ class ScriptedLLM:
         self.scheduler = Scheduler(
             self.runner, num_pages=80, page_size=16, vocab_size=tokenizer.vocab_size,
             max_batch_size=4, max_model_len=self.max_model_len, stop_ids=tokenizer.stop_ids,
-            detok=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
+            decoder=lambda: tokenizer.stream_decoder(skip_special_tokens=True),
             grammars=Grammars(tokenizer, tokenizer.vocab_size))
         self.timer = SimpleNamespace(totals={})
         self._rids = itertools.count()

@@ -539,36 +539,33 @@ def test_train_cli(tmp_path: Path) -> None:
 @settings(max_examples=200, deadline=None)
 @given(st.lists(st.one_of(st.integers(0, 255), st.just(-1)), min_size=1, max_size=60),
        st.lists(st.integers(1, 6), max_size=30), st.integers(0, 2**31))
-def test_stop_tail_check_agrees_with_whole_text(
+def test_incremental_stop_check_agrees_with_whole_text(
     byte_tok: Tokenizer, raw: list[int], cuts: list[int], seed: int
 ) -> None:
-    """Steps of a few tokens each (bytes and special ids, which leave no text): the tail check
-    fires at the first step whose whole text holds a stop string, and never before (a stop
-    string with U+FFFD may also fire early on a tail cut inside a character: the scheduler
-    confirms every hit on the whole text)."""
+    """Steps of a few tokens each (bytes and special ids, which leave no text), each decoded
+    once as the scheduler does: the text so far is the whole decode of the ids (but for a
+    character still split across them), and `find_stop` finds a stop string at the first step
+    whose text holds one, where the whole text's search finds it, and never before."""
     import random
 
-    from engine.scheduler import stop_may_end
+    from engine.scheduler import find_stop
 
     ids = [byte_tok.im_end_id if i < 0 else i for i in raw]
-
-    def detok(x: list[int]) -> str:
-        return byte_tok.decode(x, skip_special_tokens=True)
-
-    text = detok(ids)
+    text = byte_tok.decode(ids, skip_special_tokens=True)
     rng = random.Random(seed)
     a = rng.randrange(len(text) + 1)
     stops = [text[a:a + rng.randint(1, 5)] or "zz", "never-there"]
-    out: list[int] = []
-    pos = 0
+    dec = byte_tok.stream_decoder(skip_special_tokens=True)
+    decoded, pos = "", 0
     for k in [*cuts, len(ids)]:
         new = ids[pos:pos + k]
         pos += len(new)
         if not new:
             break
-        out += new
-        hit = any(s in detok(out) for s in stops)
-        may = stop_may_end(detok, out, len(new), stops)
-        assert may == hit or (may and "\ufffd" in stops[0])
-        if hit:
+        before = len(decoded)
+        decoded += dec.push(new)
+        assert byte_tok.decode(ids[:pos], skip_special_tokens=True).startswith(decoded)
+        hits = [i for s in stops if (i := decoded.find(s)) >= 0]
+        assert find_stop(decoded, before, stops) == (min(hits) if hits else None)
+        if hits:
             break
