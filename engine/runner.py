@@ -224,9 +224,17 @@ class StepGraphRunner:
         for bs, buf in self.buffers.items():
             _pad(buf.inputs(), 0)
             _pad(self.staging[bs], 0)
-        # (padded size) -> what each row of its staged page table holds: (table id, pages)
-        self.staged_tables: dict[int, list[tuple[int | None, int]]] = {
-            bs: [] for bs in self.capture_sizes}
+        # What the staging of each padded size holds from the last step, so a step writes only
+        # what changed: each page-table row's (table id, pages); per input, the rows written
+        # since they were padding; the sampling parameters its rows were staged with.
+        self.staged_tables: dict[int, list[tuple[int | None, int]]] = {}
+        self._written: dict[int, dict[str, int]] = {}
+        self._staged_params: dict[int, list[SamplingParams]] = {}
+        for bs in self.capture_sizes:
+            self._forget(bs)
+        # (padded size, rows, shape) -> the buffers' views; (base shape, ...) -> a step's shape
+        self._views: dict[tuple[int, int, StepShape], StepBuffers] = {}
+        self._step_shapes: dict[tuple[Any, ...], StepShape] = {}
         self.graphs: dict[tuple[int, StepShape], Any] = {}
         # (batch size, shape) -> {"seconds": capture wall time, "bytes": pool growth}
         self.capture_stats: dict[tuple[int, StepShape], dict[str, float]] = {}
@@ -300,7 +308,7 @@ class StepGraphRunner:
         if pad:
             _pad(buf.inputs(), 0)
             _pad(host, 0)
-            self.staged_tables[bs] = []
+            self._forget(bs)
         self.models.attention.plan(host["page_table"], host["cache_len"], shape.num_nodes)
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
@@ -366,7 +374,7 @@ class StepGraphRunner:
                 t0 = time.perf_counter()
                 buf = self.buffers[bs].fit(shape)
                 _pad(buf.inputs(), 0)
-                self.staged_tables[bs] = []
+                self._forget(bs)
                 compiled.build(buf, shape)
                 self.capture_stats[(bs, shape)] = {"seconds": time.perf_counter() - t0,
                                                    "bytes": 0}
@@ -466,8 +474,8 @@ class StepGraphRunner:
             raise ValueError("a step needs at least one request")
         size, shape = self.padded_size(b), self.step_shape(b, inp.params, inp.lagging)
         fixed = self.use_graphs or self.compiled is not None  # a graph runs its whole size
-        buf = self.buffers[size].rows(size if (pad or fixed) else b).fit(shape)
         cuts = [_cut(x) for x in inp.params]
+        promise: dict[str, Any] = {}
         if shape.sample:
             # Truncate only the rows that ask for it, and sort the vocabulary only for rows
             # whose cut may not fit in a bounded top-k (eagerly, only when it does not); a
@@ -481,13 +489,15 @@ class StepGraphRunner:
                 if self.compiled is not None:
                     promise = {k: size if v and k != "filtered" else v
                                for k, v in promise.items()}
-            shape = replace(shape, **promise)
-        if not fixed:
-            shape = replace(shape, host_reads=True)
         masks = inp.masks or [None] * b
         adjust = any(x.logit_bias for x in inp.params) or any(m is not None for m in masks)
-        shape = replace(shape, adjust=adjust,
-                        logprobs=any(x.logprobs is not None for x in inp.params))
+        logprobs = any(x.logprobs is not None for x in inp.params)
+        key = (shape, tuple(promise.items()), not fixed, adjust, logprobs)
+        shape = self._step_shapes.get(key) or self._step_shapes.setdefault(key, replace(
+            shape, **promise, host_reads=not fixed, adjust=adjust, logprobs=logprobs))
+        n = size if (pad or fixed) else b
+        buf = self._views.get((size, n, shape)) or self._views.setdefault(
+            (size, n, shape), self.buffers[size].rows(n).fit(shape))
         width = self.max_pages
         if not self.use_graphs:
             # Gather only as much context as this batch has (a captured graph needs the full
@@ -497,29 +507,46 @@ class StepGraphRunner:
             most = max(map(len, inp.pages))
             width = min(self.max_pages, -(-most // 8) * 8 if self.compiled is not None else most)
         host = self.staging[size]
+        written = self._written[size]
         self._stage_pages(size, host["page_table"], inp)
         S = shape.max_emit
-        coins = torch.tensor(inp.coins, dtype=torch.float32).view(b, -1)
         p = inp.params
         host["anchor"][:b] = torch.tensor(inp.anchor)
         host["cache_len"][:b] = torch.tensor(inp.cache_len)
-        host["temperature"][:b] = torch.tensor([1.0 if x.greedy else x.temperature for x in p])
-        host["top_k"][:b] = torch.tensor([k for k, _ in cuts])
-        host["top_p"][:b] = torch.tensor([q for _, q in cuts])
+        staged = self._staged_params[size]
+        if len(staged) != b or any(x is not y for x, y in zip(staged, p)) or \
+                written["temperature"] < b:
+            # NOTE: rows keep their parameters from step to step: staged again only when the
+            # rows' requests (their params objects) change
+            host["temperature"][:b] = torch.tensor([1.0 if x.greedy else x.temperature
+                                                    for x in p])
+            host["top_k"][:b] = torch.tensor([k for k, _ in cuts])
+            host["top_p"][:b] = torch.tensor([q for _, q in cuts])
+            self._staged_params[size] = list(p)
         if shape.sample:  # a greedy step reads no coins
+            coins = torch.tensor(inp.coins, dtype=torch.float32).view(b, -1)
             host["coins"][:b, :S] = coins[:, :S]
         # NOTE: a step that does not adjust reads none of the adjustment buffers, so they are
         # neither staged nor copied: a grammar's mask is ceil(V / 32) words a row.
         keys = [k for k in PADDING if shape.adjust or k not in ADJUST_INPUTS]
         if shape.adjust:
             _stage_adjustments(host, p, masks)
-        _pad(host, b, keys)
+        for k in keys:  # rows past the batch become padding, where the last step wrote them
+            if written[k] > b:
+                host[k][b:written[k]] = PADDING[k]
+            written[k] = b
         dsts = self.buffers[size].inputs()
         for k in keys:
             dst = dsts[k]
             if dst is not host[k]:
                 dst.copy_(host[k], non_blocking=True)
         return buf, shape, width
+
+    def _forget(self, bs: int) -> None:
+        """The staging of size `bs` is all padding again (after a capture's warm-ups)."""
+        self.staged_tables[bs] = []
+        self._written[bs] = dict.fromkeys(PADDING, 0)
+        self._staged_params[bs] = []
 
     def _stage_pages(self, size: int, pt: Tensor, inp: StepInputs) -> None:
         """Each row's pages into the staged page table `pt [size, W]`, writing only what
@@ -652,10 +679,10 @@ def _cut(p: SamplingParams) -> tuple[int, float]:
     return (1, 1.0) if p.greedy else (max(p.top_k, 0), p.top_p)
 
 
-def _pad(inputs: dict[str, Tensor], start: int, keys: Sequence[str] = tuple(PADDING)) -> None:
-    """Rows `start ..` of the inputs `keys` become padding rows."""
-    for k in keys:
-        inputs[k][start:] = PADDING[k]
+def _pad(inputs: dict[str, Tensor], start: int) -> None:
+    """Rows `start ..` become padding rows."""
+    for k, v in PADDING.items():
+        inputs[k][start:] = v
 
 
 def _stage_adjustments(host: dict[str, Tensor], params: Sequence[SamplingParams],
