@@ -33,7 +33,7 @@ from engine.memory import (
 )
 from engine.models.dflash import DFlashDrafter
 from engine.models.kimi import KimiForCausalLM
-from engine.policy import default_policy, load_budgets
+from engine.policy import Policy, default_policy, load_budgets
 from engine.request import Request
 from engine.runner import Logprob, PhaseTimer, StepGraphRunner
 from engine.scheduler import Scheduler
@@ -113,6 +113,17 @@ def load_models(cfg: EngineConfig, device: torch.device, dtype: torch.dtype,
             if m is not None:
                 gemm_layout(m)
     return Models(target, drafter, tp=tp), model
+
+
+def step_shapes(mode: str, budget: int | None, block: int, policy: str | Path | None
+                ) -> tuple[StepShape, Policy | None, StepShape]:
+    """The runner's step shape, its budget policy (read from `policy`, if any, in tree mode
+    without a fixed `budget`) and the widest step any batch size may take: the page tables
+    must cover what it can emit, whatever the size."""
+    shape = StepShape(mode, DEFAULT_BUDGET if budget is None else budget, block, sample=False)
+    budgets = load_budgets(policy) if policy and budget is None and mode == "tree" else None
+    most = max(b for t in budgets.values() for b in t.values()) if budgets else shape.budget
+    return shape, budgets, StepShape(mode, most, block, False)
 
 
 def prefill_chunk(cfg: EngineConfig, device: torch.device) -> int:
@@ -218,15 +229,8 @@ class LLM:
         target, drafter = self.models.target, self.models.drafter
         mc = target.cfg
         block = drafter.c.block_size if drafter else 2
-        shape = StepShape(cfg.mode, DEFAULT_BUDGET if cfg.budget is None else cfg.budget, block,
-                          sample=False)
-        policy = None if cfg.budget is not None or cfg.mode != "tree" else (
-            cfg.budget_policy or default_policy(device.type, compiled))
-        budgets = load_budgets(policy) if policy else None
-        # NOTE: the page table must cover the step that can emit the most, whatever its size
-        # (a policy sets every size's budgets).
-        most = max(b for t in budgets.values() for b in t.values()) if budgets else shape.budget
-        widest = StepShape(cfg.mode, most, block, False)
+        shape, budgets, widest = step_shapes(
+            cfg.mode, cfg.budget, block, cfg.budget_policy or default_policy(device.type, compiled))
         self.max_model_len = cfg.max_model_len or mc.max_position_embeddings
         max_pages = pages_needed(self.max_model_len + widest.max_emit, cfg.page_size)
         self.kv_size = self._size_pool(budget, device, dtype, max_pages,

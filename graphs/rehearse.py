@@ -45,9 +45,10 @@ import torch
 from torch import Tensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from engine.config import DEFAULT_BUDGET, SamplingParams
+from engine.config import SamplingParams
 from engine.dist import Group
-from engine.policy import Policy, default_policy, load_budgets
+from engine.llm import step_shapes
+from engine.policy import Policy, default_policy
 from engine.request import Request
 from engine.runner import KINDS, PrefillInputs, StepGraphRunner
 from engine.scheduler import Scheduler
@@ -422,11 +423,7 @@ def engine_shapes(models: Models, budget: int | None) -> tuple[StepShape, Policy
     default mode: a tree with a drafter; without one the engine runs plain decoding."""
     d = models.drafter
     mode, block = ("tree", d.c.block_size) if d is not None else ("ar", 2)
-    shape = StepShape(mode, DEFAULT_BUDGET if budget is None else budget, block, sample=False)
-    policy = None if budget is not None or mode != "tree" else default_policy("cuda")
-    budgets = load_budgets(policy) if policy else None
-    most = max(b for t in budgets.values() for b in t.values()) if budgets else shape.budget
-    return shape, budgets, StepShape(mode, most, block, False)
+    return step_shapes(mode, budget, block, default_policy("cuda"))
 
 
 def step_kinds(runner: StepGraphRunner, bs: int) -> list[tuple[str, StepShape]]:
