@@ -12,6 +12,12 @@ step itself a no-op that emits `--emit` tokens per row (`NoopStep`), for running
 Admission and prefill are not timed: the rows start running. It prints the host microseconds per
 step and per emitted token (medians over `--rounds`), and writes `{"rows": [{"batch_size",
 "context", "stop_strings", "host_us_per_step", "host_us_per_token"}]}` to `--json`.
+
+With `--streaming N`, it also serves the bundled pair (`engine.serve`, eager steps) to N
+concurrent clients asking `--stream-tokens` tokens each, streamed and not, in turns over
+`--rounds`: the engine's mean step time (its `/metrics` counters) and the tokens a second each
+way, as `"streaming": {"clients", "step_ms_streamed", "step_ms_not_streamed",
+"tokens_per_s_streamed", "tokens_per_s_not_streamed"}` (medians).
 """
 
 from __future__ import annotations
@@ -94,6 +100,62 @@ def measure(llm: LLM, bs: int, context: int, emit: int, stops: bool, steps: int)
     return (time.perf_counter() - t0) / steps
 
 
+def serve_load(url: str, clients: int, tokens: int, stream: bool) -> dict[str, float]:
+    """`clients` concurrent completions of `tokens` tokens each against the server at `url`,
+    streamed or not: their tokens a second, and the engine's mean step time meanwhile."""
+    import asyncio
+
+    import httpx
+
+    from bench.common import server_metrics
+
+    def counters() -> tuple[float, float]:
+        m = server_metrics(url)
+        return m["kimi_engine_step_seconds_total"], m["kimi_engine_steps_total"]
+
+    async def one(http: httpx.AsyncClient, i: int) -> None:
+        body = {"prompt": f"def f{i}(x):\n", "max_tokens": tokens, "ignore_eos": True,
+                "temperature": 0, "stream": stream}
+        async with http.stream("POST", f"{url}/v1/completions", json=body) as r:
+            if r.status_code != 200:
+                raise RuntimeError(f"{url}: {r.status_code}: {(await r.aread())[:200]!r}")
+            async for _ in r.aiter_lines():  # every chunk, as a client reads them
+                pass
+
+    async def run() -> None:
+        async with httpx.AsyncClient(timeout=600) as http:
+            await asyncio.gather(*(one(http, i) for i in range(clients)))
+
+    (s0, n0), t0 = counters(), time.perf_counter()
+    asyncio.run(run())
+    dt, (s1, n1) = time.perf_counter() - t0, counters()
+    return {"step_ms": 1e3 * (s1 - s0) / max(n1 - n0, 1), "tokens_per_s": clients * tokens / dt}
+
+
+def streaming(clients: int, tokens: int, rounds: int, out: Path) -> dict[str, Any]:
+    """`serve_load` streamed and not, in turns, on one server of the bundled pair."""
+    from bench.serve import Server
+
+    server = Server("host", ["--max-batch-size", str(clients), "--compile", "off",
+                             "--log-level", "warning"], out / "host-server.log")
+    try:
+        server.wait_healthy(300)
+        serve_load(server.url, clients, 8, False)  # warm-up
+        runs: dict[bool, list[dict[str, float]]] = {False: [], True: []}
+        for i in range(rounds):
+            for stream in (False, True) if i % 2 == 0 else (True, False):
+                runs[stream].append(serve_load(server.url, clients, tokens, stream))
+                print(f"  {'streamed' if stream else 'whole'}: {runs[stream][-1]}", flush=True)
+    finally:
+        server.stop()
+    med = {k: {m: statistics.median(r[m] for r in v) for m in ("step_ms", "tokens_per_s")}
+           for k, v in runs.items()}
+    return {"clients": clients, "tokens": tokens,
+            "step_ms_streamed": med[True]["step_ms"], "step_ms_not_streamed": med[False]["step_ms"],
+            "tokens_per_s_streamed": med[True]["tokens_per_s"],
+            "tokens_per_s_not_streamed": med[False]["tokens_per_s"]}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.host", description=__doc__.split("\n")[0])
     ap.add_argument("--batch-sizes", type=int_list(1), default=[1, 8, 64])
@@ -101,6 +163,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--emit", type=int, default=4, help="tokens each row emits a step")
     ap.add_argument("--steps", type=int, default=40, help="timed steps a measurement")
     ap.add_argument("--rounds", type=int, default=3, help="measurements (the median is kept)")
+    ap.add_argument("--streaming", type=int, default=0, metavar="N",
+                    help="also serve N streaming clients against N whole-answer ones")
+    ap.add_argument("--stream-tokens", type=int, default=64, help="tokens each client asks")
     ap.add_argument("--json", type=Path, help="write the rows here too")
     ap.add_argument("--out", default=DEFAULT_OUT)
     ap.add_argument("--report", action="store_true", help="also write bench/reports/host.md")
@@ -122,8 +187,18 @@ def main(argv: list[str] | None = None) -> int:
                         ("stop_strings", "stop strings", "d"),
                         ("host_us_per_step", "host us/step", ".0f"),
                         ("host_us_per_token", "host us/token", ".1f")])
+    payload: dict[str, Any] = {"rows": rows, "emit": a.emit, "steps": a.steps,
+                               "rounds": a.rounds}
+    if a.streaming:
+        st = payload["streaming"] = streaming(a.streaming, a.stream_tokens, a.rounds,
+                                              Path(a.out))
+        text += (f"\n\n{st['clients']} clients x {st['tokens']} tokens: engine step "
+                 f"{st['step_ms_streamed']:.1f} ms streamed, {st['step_ms_not_streamed']:.1f} ms "
+                 f"not ({st['step_ms_streamed'] / st['step_ms_not_streamed']:.3f}x); "
+                 f"{st['tokens_per_s_streamed']:.0f} tokens/s streamed, "
+                 f"{st['tokens_per_s_not_streamed']:.0f} not "
+                 f"({st['tokens_per_s_streamed'] / st['tokens_per_s_not_streamed']:.3f}x)")
     print(text)
-    payload = {"rows": rows, "emit": a.emit, "steps": a.steps, "rounds": a.rounds}
     if a.json:
         a.json.parent.mkdir(parents=True, exist_ok=True)
         a.json.write_text(json.dumps(payload, indent=2) + "\n")

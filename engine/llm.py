@@ -453,7 +453,9 @@ class LLM:
         return outs
 
     def _output(self, i: int, r: Request) -> GenerationOutput:
-        text = self.decode(r.output_ids)
+        # NOTE: the text the scheduler decoded as the tokens came (with what a split character
+        # left), each token decoded once
+        text = "".join(r.pieces) if r.pieces is not None else self.decode(r.output_ids)
         if r.text_end is not None:
             text = text[: r.text_end]
         return GenerationOutput(i, r.prompt_ids, list(r.output_ids), text, r.finish_reason or "",

@@ -38,8 +38,10 @@ class Request:
     # (None for the first), once the prompt is cached.
     logprobs: list[Logprob] | None = field(default=None, repr=False)
     prompt_logprobs: list[Logprob | None] | None = field(default=None, repr=False)
-    # With stop strings: the output's text as the scheduler decoded it, token by token, and the
-    # decoder that holds a character split across tokens (`engine.scheduler.TextDecoder`).
+    # The output's text as the scheduler decoded it, a piece a token, whole, and the decoder
+    # that holds a character split across tokens (`engine.scheduler.TextDecoder`).
+    pieces: list[str] | None = field(default=None, repr=False)
+    pieces_from: int = field(default=0, repr=False)  # where the last step's pieces begin
     decoded: str = field(default="", repr=False)
     text_decoder: Any = field(default=None, repr=False)
     rng: random.Random = field(init=False, repr=False)

@@ -561,8 +561,11 @@ class StepGraphRunner:
                                  f"{self.max_pages}")
         held = self.staged_tables[size]
         tables: Sequence[int | None] = inp.tables or [None] * b
-        row_of = {t: r for r, (t, _) in enumerate(held) if t is not None}
-        src = [row_of.get(t, -1) if t is not None else -1 for t in tables]
+        if inp.tables and [t for t, _ in held[:b]] == inp.tables:
+            src: list[int] = list(range(b))  # every row where it was (most steps)
+        else:
+            row_of = {t: r for r, (t, _) in enumerate(held) if t is not None}
+            src = [row_of.get(t, -1) if t is not None else -1 for t in tables]
         moved = [(i, j) for i, j in enumerate(src) if j not in (-1, i)]
         if moved:
             dst, frm = zip(*moved)

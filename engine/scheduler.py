@@ -43,11 +43,14 @@ def _context(req: Request) -> list[int]:
 
 
 class TextDecoder(Protocol):
-    """Output text decoded as tokens come (`engine.tokenizer.IncrementalDecoder`): `push`
-    returns the text the ids complete (a character split across ids waits for the rest;
-    special ids leave none)."""
+    """Output text decoded as tokens come (`engine.tokenizer.IncrementalDecoder`): `pieces`
+    gives the text each id completes (a character split across ids comes with its last;
+    special ids leave none), `flush` what a split character left (as a whole decode shows
+    it)."""
 
-    def push(self, ids: Sequence[int]) -> str: ...
+    def pieces(self, ids: Sequence[int]) -> list[str]: ...
+
+    def flush(self) -> str: ...
 
 
 def find_stop(text: str, new_from: int, stops: Sequence[str]) -> int | None:
@@ -76,11 +79,18 @@ class StepEvent:
     blamed: bool = False
     # The new tokens' log-probabilities, when the request asks (from its `logprobs`).
     logprobs: list[Logprob] | None = None
+    # The new tokens' text when the scheduler decodes (`Scheduler.decoder`): a piece each
+    # (special ids: ""; a character split across tokens comes with its last), and on the
+    # request's last event one more, what a character left split shows as (a whole decode's
+    # replacement character, or "").
+    pieces: list[str] | None = None
 
     def __post_init__(self) -> None:
-        lp = self.req.logprobs
+        lp, pieces = self.req.logprobs, self.req.pieces
         if self.logprobs is None and lp is not None:
             self.logprobs = lp[len(lp) - len(self.new_ids):]
+        if self.pieces is None and pieces is not None:
+            self.pieces = pieces[self.req.pieces_from:]
 
 
 def lagging(reqs: Sequence[Request]) -> bool:
@@ -142,8 +152,9 @@ class Scheduler:
         self.max_batch_size = max_batch_size
         self.max_model_len = max_model_len
         self.stop_ids = stop_ids
-        # A fresh decoder of a request's output text, for its stop strings: each token is
-        # decoded once, into the request's `decoded` text.
+        # A fresh decoder of a request's output text: each token is decoded once, here, into
+        # the request's `pieces` (which its stream and its final text read) and `decoded`
+        # text (where its stop strings are looked for).
         self.decoder = decoder
         self.grammars = grammars  # matchers of requests with a grammar (None: no tokenizer)
         self.waiting: deque[Request] = deque()
@@ -287,35 +298,56 @@ class Scheduler:
         advancing the request's grammar; returns the tokens actually kept. A grammar that is
         complete (only an end token may follow) stops the request."""
         p = req.params
-        kept = []
-        for j, t in enumerate(tokens):
-            if not p.ignore_eos and t in self.stop_ids:
-                req.finish_reason = "stop"
-                break
-            req.output_ids.append(t)
-            kept.append(t)
-            if req.logprobs is not None and logprobs is not None:
-                req.logprobs.append(logprobs[j])
-            if req.matcher is not None:
+        # Up to the first stop id (unless ignored), which ends the request, and at most what
+        # the length limits leave, the last of which ends it too.
+        n = len(tokens)
+        stop = n if p.ignore_eos or self.stop_ids.isdisjoint(tokens) else next(
+            j for j, t in enumerate(tokens) if t in self.stop_ids)
+        room = min(p.max_new_tokens - len(req.output_ids),
+                   self.max_model_len - len(req.prompt_ids) - len(req.output_ids))
+        kept = tokens[:min(stop, room)]
+        if req.matcher is not None:  # a complete grammar ends the request at its token
+            for j, t in enumerate(kept):
                 req.matcher.consume(t)
                 if req.matcher.done:
+                    kept = kept[:j + 1]
                     req.finish_reason = "stop"
                     break
-            if len(req.output_ids) >= p.max_new_tokens or \
-                    len(req.prompt_ids) + len(req.output_ids) >= self.max_model_len:
-                req.finish_reason = "length"
-                break
-        if p.stop and self.decoder is not None and kept:
-            if req.text_decoder is None:  # the output before, once (its first stop check)
-                req.text_decoder = self.decoder()
-                req.decoded = req.text_decoder.push(req.output_ids[:-len(kept)])
-            before = len(req.decoded)
-            req.decoded += req.text_decoder.push(kept)
-            cut = find_stop(req.decoded, before, p.stop)
-            if cut is not None:
-                req.text_end = cut
+        req.output_ids += kept
+        if req.logprobs is not None and logprobs is not None:
+            req.logprobs += logprobs[:len(kept)]
+        if req.finish_reason is None:
+            if stop < min(n, room):
                 req.finish_reason = "stop"
+            elif room <= n:
+                req.finish_reason = "length"
+        if self.decoder is not None:
+            self._decode(req, kept)
         return kept
+
+    def _decode(self, req: Request, kept: list[int]) -> None:
+        """`kept`'s text into the request's `pieces` and `decoded` text, each token decoded
+        once (the rest of a split character too, when the request ended), and its stop
+        strings looked for in what is new."""
+        assert self.decoder is not None
+        if req.text_decoder is None:  # the request's first tokens (or a copy's)
+            req.text_decoder = self.decoder()
+            earlier = req.output_ids[:len(req.output_ids) - len(kept)]
+            req.pieces = req.text_decoder.pieces(earlier)
+            req.decoded = "".join(req.pieces)
+        before = len(req.decoded)
+        new = req.text_decoder.pieces(kept)
+        req.decoded += "".join(new)
+        stops = req.params.stop
+        cut = find_stop(req.decoded, before, stops) if stops and new else None
+        if cut is not None:
+            req.text_end = cut
+            req.finish_reason = "stop"
+        if req.finished:
+            new.append(req.text_decoder.flush())
+        assert req.pieces is not None
+        req.pieces_from = len(req.pieces)
+        req.pieces += new
 
     def _reserve(self, span: int) -> bool:
         """Pages for `span` tokens past each running request's cache; when the pool runs dry,

@@ -376,10 +376,22 @@ class Tokenizer:
             self._special_re = re.compile("|".join(map(re.escape, ordered)) or "(?!)")
         return self._special_re
 
+    @functools.cached_property
+    def _text_bytes(self) -> list[bytes]:
+        """Each id's bytes in output text, special ids none (made once, at the first decode
+        that skips them)."""
+        enc, special = self.encoding, self._special_ids
+        return [b"" if i in special else enc.decode_single_token_bytes(i)
+                for i in range(self.vocab_size)]
+
     def decode_bytes(self, ids: Sequence[int], skip_special_tokens: bool = False) -> bytes:
         ids = list(ids)
         if skip_special_tokens:
-            ids = [i for i in ids if i not in self._special_ids]
+            # NOTE: one lookup an id in a precomputed table, no filter over the ids
+            if ids and not 0 <= min(ids) <= max(ids) < self.vocab_size:
+                raise TokenizerError(f"cannot decode ids (vocab_size {self.vocab_size}): "
+                                     f"{min(ids)}..{max(ids)}")
+            return b"".join(map(self._text_bytes.__getitem__, ids))
         try:
             return self.encoding.decode_bytes(ids)
         except (KeyError, OverflowError, TypeError) as e:
@@ -443,6 +455,28 @@ class IncrementalDecoder:
         """Returns the text completed by `ids`; an unfinished UTF-8 sequence is held back."""
         return self._utf8.decode(self._tokenizer.decode_bytes(ids, self._skip), final=False)
 
+    def pieces(self, ids: Sequence[int]) -> list[str]:
+        """`push` of each of `ids` alone: the text each one completes (a character split
+        across ids comes with its last), one table lookup and one UTF-8 step an id."""
+        if not self._skip:
+            return [self.push([i]) for i in ids]
+        table, utf8 = self._tokenizer._text_bytes, self._utf8
+        out = []
+        try:
+            for i in ids:
+                b = table[i]
+                if not utf8.buffer:  # NOTE: no character pending: most tokens end whole
+                    try:
+                        out.append(b.decode())
+                        continue
+                    except UnicodeDecodeError:
+                        pass
+                out.append(utf8.decode(b, False))
+        except (IndexError, TypeError) as e:
+            raise TokenizerError(f"cannot decode ids {list(ids)} (vocab_size "
+                                 f"{self._tokenizer.vocab_size})") from e
+        return out
+
     def flush(self) -> str:
         """Returns what is held back (as replacement characters) and resets the stream."""
         text = self._utf8.decode(b"", final=True)
@@ -473,9 +507,12 @@ class TextStream:
         self.add(ids)
         return self._release(len(self.text) - self._hold)
 
-    def end(self, ids: Sequence[int] = (), text_end: int | None = None) -> str:
-        """The rest of the text, the ids ending with `ids`."""
-        self.text += self._dec.push(ids) + self._dec.flush()
+    def end(self, ids: Sequence[int] = (), text_end: int | None = None,
+            decoded: bool = False) -> str:
+        """The rest of the text, the ids ending with `ids` (with `decoded`, the caller has
+        added their text, and what a split character left, to `text` itself)."""
+        if not decoded:
+            self.text += self._dec.push(ids) + self._dec.flush()
         return self._release(len(self.text) if text_end is None else text_end)
 
     def _release(self, cut: int) -> str:

@@ -634,16 +634,19 @@ class OutputStream:
         self._index: dict[int, int | None] = {}  # the parser's call index -> ours (None: dropped)
         self._parts: tuple[list[str], list[str], list[ToolCallDelta]] = ([], [], [])
 
-    def push(self, ids: Sequence[int]) -> OutputDelta:
-        """What the new `ids` made certain."""
-        self._take(ids)
+    def push(self, ids: Sequence[int], pieces: Sequence[str] | None = None) -> OutputDelta:
+        """What the new `ids` made certain. `pieces`: their text as the engine decoded it (a
+        piece an id, `engine.scheduler.StepEvent.pieces`), which is then not decoded again."""
+        self._take(ids, pieces)
         return self._release(self._text.push(), final=False)
 
-    def end(self, ids: Sequence[int], text_end: int | None = None) -> OutputDelta:
+    def end(self, ids: Sequence[int], text_end: int | None = None,
+            pieces: Sequence[str] | None = None) -> OutputDelta:
         """The rest, the output ending with `ids` (cut at `text_end`, where a stop string
-        matched)."""
-        self._take(ids)
-        return self._release(self._text.end(text_end=text_end), final=True)
+        matched); `pieces` as in `push`, with the text a split character left after them."""
+        self._take(ids, pieces)
+        return self._release(self._text.end(text_end=text_end, decoded=pieces is not None),
+                             final=True)
 
     def result(self) -> ParsedOutput:
         """Everything released so far."""
@@ -655,8 +658,16 @@ class OutputStream:
         """`tool_calls` when the model stopped after calling tools, else `reason`."""
         return "tool_calls" if reason == "stop" and self._parts[2] else reason
 
-    def _take(self, ids: Sequence[int]) -> None:
-        """Decodes `ids`, each run between marker ids at once, noting where the markers came."""
+    def _take(self, ids: Sequence[int], pieces: Sequence[str] | None) -> None:
+        """`ids`' text (their `pieces`, or decoded here, each run between marker ids at once),
+        noting where the markers came."""
+        if pieces is not None:
+            for k, t in enumerate(ids):
+                if t in self._markers:
+                    self._at.append((len(self._text.text), self._markers[t]))
+                self._text.text += pieces[k]
+            self._text.text += "".join(pieces[len(ids):])
+            return
         start = 0
         for k, t in enumerate(ids):
             if t in self._markers:

@@ -213,7 +213,8 @@ def test_each_step_reserves_only_its_own_span():
 def test_stop_token_and_stop_string():
     r = FakeRunner(emit=4)
     detok = lambda ids: "".join(chr(96 + i % 26) for i in ids)  # noqa: E731
-    s = scheduler(r, decoder=lambda: SimpleNamespace(push=detok))
+    s = scheduler(r, decoder=lambda: SimpleNamespace(pieces=lambda ids: [detok([i]) for i in ids],
+                                                     flush=str))
     eos = req(0, [EOS - 3], max_new_tokens=50)  # prefill gives EOS-2, the step EOS-1, EOS
     stop = req(1, [0], max_new_tokens=50, stop=("cde",))  # tokens 1.. spell "abcdef..."
     s.add(eos)
@@ -297,3 +298,32 @@ def test_refusals_name_the_flag_to_turn():
     with pytest.raises(RequestRejected, match="the whole pool has 5 .*--kv-pages"):
         s.add(req(1, [1] * 20, max_new_tokens=100))
     assert not s.has_work
+
+
+def test_each_token_is_decoded_once_into_the_events_pieces():
+    """With a decoder, every kept token is pushed through its request's decoder once; each
+    event carries a piece per new token (the last event one more: what a split character
+    left), and the pieces add up to the request's text."""
+    pushed: list[int] = []
+
+    class Dec:
+        def pieces(self, ids: list[int]) -> list[str]:
+            pushed.extend(ids)
+            return [chr(96 + i % 26) for i in ids]
+
+        def flush(self) -> str:
+            return "!"
+
+    r = FakeRunner(emit=3)
+    s = scheduler(r, decoder=Dec)
+    a = req(0, [1, 2], max_new_tokens=7)
+    s.add(a)
+    events = []
+    while s.has_work:
+        events += s.step()
+    assert sorted(pushed) == sorted(a.output_ids)  # once each
+    for ev in events[:-1]:
+        assert ev.pieces is not None and len(ev.pieces) == len(ev.new_ids)
+    assert events[-1].finished and events[-1].pieces[-1] == "!"
+    text = "".join(p for ev in events for p in ev.pieces)
+    assert text == a.decoded + "!" == "".join(a.pieces)

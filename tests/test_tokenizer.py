@@ -569,3 +569,14 @@ def test_incremental_stop_check_agrees_with_whole_text(
         assert find_stop(decoded, before, stops) == (min(hits) if hits else None)
         if hits:
             break
+
+
+def test_output_text_skips_special_ids_by_table(byte_tok: Tokenizer) -> None:
+    """Output text (special ids skipped) from the precomputed table equals the ordinary ids'
+    decode; ids outside the vocabulary are refused."""
+    special = byte_tok.im_end_id
+    ids = [104, 105, special, 33, special]
+    assert byte_tok.decode(ids, skip_special_tokens=True) == byte_tok.decode([104, 105, 33])
+    for bad in ([byte_tok.vocab_size], [-1]):
+        with pytest.raises(TokenizerError):
+            byte_tok.decode(bad, skip_special_tokens=True)

@@ -340,13 +340,13 @@ class Server:
                 item = await h.next(http)
                 if item[0] == "error":
                     raise api.error(500, str(item[1]), None, "engine_error", "server_error")
-                _, new, reason, text_end, logprobs = item
+                _, new, reason, text_end, logprobs, pieces = item
                 n += len(new)
                 if reason is not None:
-                    last = out.end(new, text_end) if out else OutputDelta()
+                    last = out.end(new, text_end, pieces) if out else OutputDelta()
                     yield last, out.finish_reason(reason) if out else reason, n, logprobs
                     return
-                piece = out.push(new) if out else None
+                piece = out.push(new, pieces) if out else None
                 if piece or logprobs:
                     yield piece or OutputDelta(), None, n, logprobs
         finally:

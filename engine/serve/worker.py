@@ -42,8 +42,9 @@ class ClientGone(Exception):
 @dataclass
 class Handle:
     """One HTTP request's link to the engine. `queue` receives ("tokens", new_ids,
-    finish_reason | None, text_end, logprobs) items (`logprobs`: the new tokens'
-    `engine.runner.Logprob`s, None unless the request asks), or ("error", msg)."""
+    finish_reason | None, text_end, logprobs, pieces) items (`logprobs`: the new tokens'
+    `engine.runner.Logprob`s, None unless the request asks; `pieces`: their text as the
+    engine decoded it, `engine.scheduler.StepEvent.pieces`), or ("error", msg)."""
 
     req: EngineRequest
     # Whether the answer is sent as it grows. A whole answer's handler wakes only for the last
@@ -55,6 +56,7 @@ class Handle:
     _checked: float = 0.0
     _held: list[int] = field(default_factory=list)  # tokens not yet queued (not `stream`)
     _held_logprobs: list[Any] = field(default_factory=list)  # and their log-probabilities
+    _held_pieces: list[str] = field(default_factory=list)  # and their text
 
     async def next(self, http: Request) -> tuple[Any, ...]:
         """The next item; raises ClientGone if `http`'s client disconnects."""
@@ -191,7 +193,7 @@ class Engine:
                 out.append((req.rid, ("error", BLAMED if ev.blamed else UNATTRIBUTED)))
             elif ev.new_ids or ev.finished:
                 out.append((req.rid, ("tokens", list(ev.new_ids), reason, req.text_end,
-                                      ev.logprobs)))
+                                      ev.logprobs, ev.pieces)))
         if out:
             self._to_loop(self._deliver, out)
 
@@ -232,10 +234,11 @@ class Engine:
             if item[0] == "error":
                 self._fail([rid], item[1])
                 continue
-            kind, new, reason, text_end, logprobs = item
+            kind, new, reason, text_end, logprobs, pieces = item
             if reason is None and not h.stream:
                 h._held += new
                 h._held_logprobs += logprobs or []
+                h._held_pieces += pieces or []
                 continue
             if reason is not None:
                 del self._live[rid]
@@ -243,7 +246,9 @@ class Engine:
                 new, h._held = h._held + new, []
                 if logprobs is not None:
                     logprobs, h._held_logprobs = h._held_logprobs + logprobs, []
-            h.queue.put_nowait((kind, new, reason, text_end, logprobs))
+                if pieces is not None:
+                    pieces, h._held_pieces = h._held_pieces + pieces, []
+            h.queue.put_nowait((kind, new, reason, text_end, logprobs, pieces))
 
     def _fail(self, rids: list[int], message: str) -> None:
         for rid in rids:
