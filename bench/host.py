@@ -75,7 +75,7 @@ def setup(llm: LLM, bs: int, context: int, emit: int, stops: bool
     sched = Scheduler(runner, num_pages=1 + bs * max_pages, page_size=cfg.page_size,
                       vocab_size=llm.models.target.cfg.vocab_size, max_batch_size=bs,
                       max_model_len=max_len, stop_ids=llm.tokenizer.stop_ids,
-                      decoder=llm._stop_decoder)
+                      decoder=llm.scheduler.decoder)
     g = random.Random(1)
     params = SamplingParams(max_new_tokens=4000, ignore_eos=True, stop=STOPS if stops else ())
     reqs = []

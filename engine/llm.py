@@ -257,7 +257,7 @@ class LLM:
             runner, num_pages=num_pages, page_size=cfg.page_size, vocab_size=mc.vocab_size,
             prefill_chunk=prefill_chunk(cfg, device),
             max_batch_size=cfg.max_batch_size, max_model_len=self.max_model_len,
-            stop_ids=stop_ids, decoder=self._stop_decoder if self.tokenizer else None,
+            stop_ids=stop_ids, decoder=self._text_decoder if self.tokenizer else None,
             grammars=Grammars(self.tokenizer, mc.vocab_size) if self.tokenizer else None)
         self.stats: dict[str, Any] = {}
         self._next_id = 0
@@ -345,7 +345,7 @@ class LLM:
             raise ValueError(f"{self.model_dir} has no tokenizer (tiktoken.model); pass token ids")
         return self.tokenizer
 
-    def _stop_decoder(self) -> IncrementalDecoder:
+    def _text_decoder(self) -> IncrementalDecoder:
         assert self.tokenizer is not None
         return self.tokenizer.stream_decoder(skip_special_tokens=True)
 
@@ -455,7 +455,7 @@ class LLM:
     def _output(self, i: int, r: Request) -> GenerationOutput:
         # NOTE: the text the scheduler decoded as the tokens came (with what a split character
         # left), each token decoded once
-        text = "".join(r.pieces) if r.pieces is not None else self.decode(r.output_ids)
+        text = r.decoded if r.text_decoder is not None else self.decode(r.output_ids)
         if r.text_end is not None:
             text = text[: r.text_end]
         return GenerationOutput(i, r.prompt_ids, list(r.output_ids), text, r.finish_reason or "",

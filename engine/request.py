@@ -38,11 +38,11 @@ class Request:
     # (None for the first), once the prompt is cached.
     logprobs: list[Logprob] | None = field(default=None, repr=False)
     prompt_logprobs: list[Logprob | None] | None = field(default=None, repr=False)
-    # The output's text as the scheduler decoded it, a piece a token, whole, and the decoder
-    # that holds a character split across tokens (`engine.scheduler.TextDecoder`).
-    pieces: list[str] | None = field(default=None, repr=False)
-    pieces_from: int = field(default=0, repr=False)  # where the last step's pieces begin
+    # The output's text as the scheduler decoded it, the last step's tokens' pieces of it
+    # (`engine.scheduler.StepEvent.pieces`), and the decoder that holds a character split
+    # across tokens (`engine.scheduler.TextDecoder`).
     decoded: str = field(default="", repr=False)
+    new_pieces: list[str] | None = field(default=None, repr=False)
     text_decoder: Any = field(default=None, repr=False)
     rng: random.Random = field(init=False, repr=False)
     drawn: list[float] = field(init=False, repr=False)  # coins of output positions 0, 1, ...

@@ -35,6 +35,7 @@ from engine.spec import (
     Models,
     StepBuffers,
     StepShape,
+    aligned_pass,
     catch_up,
     prefill,
     prefill_chunk,
@@ -197,9 +198,9 @@ class StepGraphRunner:
         # the aligned pass too: grouped Triton expert GEMMs at any token count, where the
         # sparse pass reads the routing on the host and loops over experts in Python.
         cpu = self.device.type == "cpu"
-        self.eager_pass: ExpertPass = eager_expert_pass(models.target) if cpu else _aligned_pass
+        self.eager_pass: ExpertPass = eager_expert_pass(models.target) if cpu else aligned_pass
         self.expert_pass: ExpertPass = (
-            _aligned_pass if self.use_graphs else
+            aligned_pass if self.use_graphs else
             self.compiled.expert_pass if self.compiled is not None else self.eager_pass)
         self.timer = timer or PhaseTimer()
         tree = shape.mode == "tree" and budgets
@@ -409,7 +410,8 @@ class StepGraphRunner:
         for i, inp in enumerate(inps):
             if inp.start > 0:
                 row = prefill_chunk(self.models, self.pool, inp.tokens, inp.start, inp.pages,
-                                    self.eager_pass, logits=inp.params is not None)
+                                    self.eager_pass,
+                                    logits="last" if inp.params is not None else None)
                 if row is not None:
                     rows[i] = row
         out: list[int | None] = [None] * len(inps)
@@ -670,11 +672,6 @@ def variant_promises(variant: str, size: int) -> dict[str, Any]:
         raise ValueError(f"sampling variant must be one of {SAMPLING_VARIANTS}, got {variant!r}")
     return {"filtered": True, "topk_rows": 0 if variant == "plain" else size,
             "sort_rows": size if variant == "sort" else 0}
-
-
-def _aligned_pass(n: int) -> str:
-    """A captured step's expert pass: the chosen experts over aligned blocks, at fixed shapes."""
-    return "aligned"
 
 
 def _cut(p: SamplingParams) -> tuple[int, float]:

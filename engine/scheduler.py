@@ -86,11 +86,11 @@ class StepEvent:
     pieces: list[str] | None = None
 
     def __post_init__(self) -> None:
-        lp, pieces = self.req.logprobs, self.req.pieces
+        lp = self.req.logprobs
         if self.logprobs is None and lp is not None:
             self.logprobs = lp[len(lp) - len(self.new_ids):]
-        if self.pieces is None and pieces is not None:
-            self.pieces = pieces[self.req.pieces_from:]
+        if self.pieces is None:
+            self.pieces = self.req.new_pieces
 
 
 def lagging(reqs: Sequence[Request]) -> bool:
@@ -326,15 +326,14 @@ class Scheduler:
         return kept
 
     def _decode(self, req: Request, kept: list[int]) -> None:
-        """`kept`'s text into the request's `pieces` and `decoded` text, each token decoded
-        once (the rest of a split character too, when the request ended), and its stop
-        strings looked for in what is new."""
+        """`kept`'s text onto the request's `decoded` text, a piece a token (`new_pieces`),
+        each token decoded once (the rest of a split character too, when the request ended),
+        and its stop strings looked for in what is new."""
         assert self.decoder is not None
         if req.text_decoder is None:  # the request's first tokens (or a copy's)
             req.text_decoder = self.decoder()
             earlier = req.output_ids[:len(req.output_ids) - len(kept)]
-            req.pieces = req.text_decoder.pieces(earlier)
-            req.decoded = "".join(req.pieces)
+            req.decoded = "".join(req.text_decoder.pieces(earlier))
         before = len(req.decoded)
         new = req.text_decoder.pieces(kept)
         req.decoded += "".join(new)
@@ -345,9 +344,8 @@ class Scheduler:
             req.finish_reason = "stop"
         if req.finished:
             new.append(req.text_decoder.flush())
-        assert req.pieces is not None
-        req.pieces_from = len(req.pieces)
-        req.pieces += new
+            req.decoded += new[-1]
+        req.new_pieces = new
 
     def _reserve(self, span: int) -> bool:
         """Pages for `span` tokens past each running request's cache; when the pool runs dry,

@@ -236,6 +236,12 @@ def sparse_pass(n: int) -> str:
     return "sparse"
 
 
+def aligned_pass(n: int) -> str:
+    """The chosen experts over aligned blocks, at fixed shapes: a captured step's pass, and
+    off the CPU every forward's (the grouped expert GEMMs)."""
+    return "aligned"
+
+
 def slot_of(page_table: Tensor, pos: Tensor, page_size: int) -> Tensor:
     """Flat cache slot of position `pos [bs, M]` through `page_table [bs, W]`. Positions past
     the table resolve into the dummy page (their writes are discarded by construction)."""
@@ -471,16 +477,18 @@ def prefill(models: Models, pool: KVPool, ctxs: Sequence[Sequence[int]],
 @torch.inference_mode()
 def prefill_chunk(models: Models, pool: KVPool, tokens: Sequence[int], start: int,
                   pages: Sequence[int], expert_pass: ExpertPass = sparse_pass,
-                  write_target: bool = True, logits: bool = True) -> Tensor | None:
+                  write_target: bool = True, feed: bool = True, logits: str | None = "last"
+                  ) -> Tensor | None:
     """One forward of one request's `tokens` at positions `start ..`, its first `start`
     positions already cached in `pages`: the absorbed form over the latent cache (read as the
     attention backend reads a step's prefix: in place on CUDA, gathered over the live pages
     elsewhere) and causal within the tokens, so nothing is `T x T` in the prompt and the
-    activations follow the chunk, not the context. Writes the drafter's context rows of the
-    tokens and, with `write_target`, their target latent rows into the cache; returns the last
-    token's logits `[V]` (fp32) when `logits`, else None (and stops after the last aux layer
-    when the target's rows are not wanted). `expert_pass` gives the expert pass of its tokens.
-    Eager: its lengths follow the request."""
+    activations follow the chunk, not the context. Writes the tokens' target latent rows with
+    `write_target`, and their drafter context rows with `feed` (when there is a drafter).
+    Returns their logits (fp32): `logits` "last" the last token's `[V]`, "all" every one's
+    `[n, V]`, None none (and the forward stops after the last aux layer when only the
+    drafter's rows are wanted). `expert_pass` gives the expert pass of its tokens. Eager: its
+    lengths follow the request."""
     target, drafter = models.target, models.drafter
     dev, n = pool.target.device, len(tokens)
     if n == 0 or start < 0:
@@ -499,18 +507,18 @@ def prefill_chunk(models: Models, pool: KVPool, tokens: Sequence[int], start: in
     causal = torch.ones(n, n, dtype=torch.bool, device=dev).tril()[None]
     rows = torch.empty(target.cfg.num_hidden_layers, 1, n, target.cfg.kv_cache_dim,
                        dtype=pool.target.dtype, device=dev)
-    aux_layers = models.aux_layers if drafter is not None else ()
+    aux_layers = models.aux_layers if feed and drafter is not None else ()
     out, aux = target.verify(
         ids, pos, pool.target, att.slots(table, pool.page_size), ctx_len, causal, rows,
         aux_layers, expert_pass(n), att.prefix(table, n, pool.page_size,
                                                target.cfg.softmax_scale),
-        logits="last" if logits else "none" if write_target else "features")
+        logits=logits or ("none" if write_target or not aux_layers else "features"))
     slots = slot_of(table, pos, pool.page_size)[0]
     if write_target:
         pool.target[:, slots] = rows[:, 0]
     if aux is not None and drafter is not None:
         feed_drafter(drafter, pool, aux[0], pos[0], slots)
-    return out[0, -1] if logits and out is not None else None
+    return None if out is None else out[0, -1] if logits == "last" else out[0]
 
 
 @torch.inference_mode()
@@ -522,7 +530,7 @@ def catch_up(models: Models, pool: KVPool, tokens: Sequence[int], start: int, pa
     drafter's cache is written, so the target's cache and every token stay as they were."""
     for a in range(0, len(tokens), chunk):
         prefill_chunk(models, pool, tokens[a:a + chunk], start + a, pages, expert_pass,
-                      write_target=False, logits=False)
+                      write_target=False, logits=None)
 
 
 @torch.inference_mode()
@@ -532,27 +540,16 @@ def prompt_logprobs(models: Models, pool: KVPool, tokens: Sequence[int], pages: 
     """The log-probabilities of `tokens[1:]`, each given the ones before it, over a context
     whose cache rows `pages` already hold: the token's `[T - 1]`, the `top` most likely
     tokens' `[T - 1, top]` and their ids. The forward runs again over the cached prefix,
-    `chunk` tokens at a time (as `prefill_chunk` does, writing nothing), so its logits are
+    `chunk` tokens at a time (`prefill_chunk`, writing nothing), so its logits are
     `[chunk, V]` at most."""
-    target, att = models.target, models.attention
     dev, n = pool.target.device, len(tokens)
     token_lp, top_lp, top_ids = [], [], []
     for a in range(0, n - 1, chunk):
         piece = list(tokens[a:min(a + chunk, n - 1)])
         m = len(piece)
-        host = torch.tensor(list(pages[:-(-(a + m) // pool.page_size)]))[None]
-        if att.plans:
-            att.plan(host, torch.tensor([a]), m)
-        table = host.to(dev)
-        pos = a + torch.arange(m, device=dev)[None]
-        rows = torch.empty(target.cfg.num_hidden_layers, 1, m, target.cfg.kv_cache_dim,
-                           dtype=pool.target.dtype, device=dev)
-        logits, _ = target.verify(
-            torch.tensor(piece, device=dev)[None], pos, pool.target,
-            att.slots(table, pool.page_size), torch.tensor([a], device=dev),
-            torch.ones(m, m, dtype=torch.bool, device=dev).tril()[None], rows, (),
-            expert_pass(m), att.prefix(table, m, pool.page_size, target.cfg.softmax_scale))
-        x = logits[0]  # [m, V]: position a + i predicts tokens[a + i + 1]
+        x = prefill_chunk(models, pool, piece, a, pages, expert_pass, write_target=False,
+                          feed=False, logits="all")
+        assert x is not None  # [m, V]: position a + i predicts tokens[a + i + 1]
         lse = torch.logsumexp(x, -1, keepdim=True)
         nxt = torch.tensor(list(tokens[a + 1:a + m + 1]), device=dev)[:, None]
         token_lp.append((x.gather(1, nxt) - lse)[:, 0])

@@ -355,9 +355,9 @@ def prefill_costs(a: argparse.Namespace, models: Models, dtype: torch.dtype, gpu
         cost, flops = CostMode(start), FlopCounterMode(display=False)
         with flops, cost:
             if start == 0:
-                spec.prefill(models, pool, [[0] * n], [pages], expert_pass=_aligned)
+                spec.prefill(models, pool, [[0] * n], [pages], expert_pass=spec.aligned_pass)
             else:
-                spec.prefill_chunk(models, pool, [0] * n, start, pages, _aligned)
+                spec.prefill_chunk(models, pool, [0] * n, start, pages, spec.aligned_pass)
         return _counts(models, flops, cost)
 
     firsts = {n: chunk(0, n) for n in sorted({min(n, c) for n in a.prompt_lens})}
@@ -377,11 +377,6 @@ def prefill_costs(a: argparse.Namespace, models: Models, dtype: torch.dtype, gpu
         r["seconds"] = {g: roofline(r, GPUS[g], a.tp) for g in gpus}
         rows.append(r)
     return rows
-
-
-def _aligned(n: int) -> str:
-    """The grouped expert pass, as prefills run it on CUDA."""
-    return "aligned"
 
 
 def shape_cost(a: argparse.Namespace, models: Models, shape: StepShape, bs: int,
