@@ -533,15 +533,16 @@ class StepGraphRunner:
         keys = [k for k in PADDING if shape.adjust or k not in ADJUST_INPUTS]
         if shape.adjust:
             _stage_adjustments(host, p, masks)
-        for k in keys:  # rows past the batch become padding, where the last step wrote them
-            if written[k] > b:
-                host[k][b:written[k]] = PADDING[k]
-            written[k] = b
         dsts = self.buffers[size].inputs()
         for k in keys:
-            dst = dsts[k]
-            if dst is not host[k]:
-                dst.copy_(host[k], non_blocking=True)
+            # rows past the batch become padding where the last step wrote them; the device
+            # copy (a GPU's) takes the rows either step wrote, the rest being padding already
+            hi = max(written[k], b)
+            if written[k] > b:
+                host[k][b:hi] = PADDING[k]
+            written[k] = b
+            if dsts[k] is not host[k]:
+                dsts[k][:hi].copy_(host[k][:hi], non_blocking=True)
         return buf, shape, width
 
     def _forget(self, bs: int) -> None:
