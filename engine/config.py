@@ -483,6 +483,23 @@ class SamplingParams:
         return self.temperature < SAMPLING_EPS or self.top_k == 1
 
 
+@dataclass(frozen=True)
+class Logprob:
+    """A token's log-probability under the target (the log-softmax of its logits, before the
+    temperature, the bias and top-k / top-p, as vLLM reports by default; a grammar's mask
+    applied), and the most likely tokens' there, most likely first, as many as the request
+    asked. Tokens a grammar rules out are at MIN_LOGPROB."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+def pages_needed(num_tokens: int, page_size: int) -> int:
+    """KV pages that hold `num_tokens` tokens."""
+    return -(-num_tokens // page_size)
+
+
 @checked_dataclass(frozen=True, config=_STRICT)
 class EngineConfig:
     """Every engine knob, validated once. `add_cli_args` turns these fields into the flags of

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.config import pages_needed  # noqa: F401 - the pool's unit, named here too
+
 DUMMY_PAGE = 0
 
 
@@ -64,10 +66,6 @@ class BlockAllocator:
 
     def refcount(self, page: int) -> int:
         return self._ref[page]
-
-
-def pages_needed(num_tokens: int, page_size: int) -> int:
-    return -(-num_tokens // page_size)
 
 
 @dataclass

@@ -7,7 +7,7 @@ import random
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from engine.config import SamplingParams
+from engine.config import SamplingParams, pages_needed
 from engine.grammar import Matcher
 
 if TYPE_CHECKING:
@@ -38,10 +38,16 @@ class Request:
     # (None for the first), once the prompt is cached.
     logprobs: list[Logprob] | None = field(default=None, repr=False)
     prompt_logprobs: list[Logprob | None] | None = field(default=None, repr=False)
-    # The output's text as the scheduler decoded it, the last step's tokens' pieces of it
-    # (`engine.scheduler.StepEvent.pieces`), and the decoder that holds a character split
-    # across tokens (`engine.scheduler.TextDecoder`).
-    decoded: str = field(default="", repr=False)
+    # The output's text as the scheduler decoded it (`decoded`): its parts, a step's text each,
+    # joined only when read, so a step's work does not grow with the text; its length; and its
+    # last `stop_hold` characters, where a stop string reaching into the next step's text may
+    # begin (its longest stop string's length - 1).
+    text_parts: list[str] = field(default_factory=list, repr=False)
+    text_len: int = 0
+    text_tail: str = field(default="", repr=False)
+    stop_hold: int = field(init=False, repr=False)
+    # The last step's tokens' pieces of it (`engine.scheduler.StepEvent.pieces`), and the
+    # decoder that holds a character split across tokens (`engine.scheduler.TextDecoder`).
     new_pieces: list[str] | None = field(default=None, repr=False)
     text_decoder: Any = field(default=None, repr=False)
     rng: random.Random = field(init=False, repr=False)
@@ -57,6 +63,7 @@ class Request:
         self.rng = random.Random(seed)
         self.drawn = []
         self.table = next(_TABLES)
+        self.stop_hold = max(map(len, self.params.stop), default=1) - 1
         if self.logprobs is None and self.params.logprobs is not None:
             self.logprobs = []
 
@@ -68,6 +75,14 @@ class Request:
     def anchor(self) -> int:
         """The last emitted token: the root of the next tree, not yet in the cache."""
         return self.output_ids[-1]
+
+    @property
+    def decoded(self) -> str:
+        """The output's text as the scheduler decoded it (its parts joined once, when read)."""
+        parts = self.text_parts
+        if len(parts) > 1:
+            parts[:] = ["".join(parts)]
+        return parts[0] if parts else ""
 
     @property
     def finished(self) -> bool:
@@ -99,3 +114,45 @@ class Request:
         while len(self.drawn) < start + n:
             self.drawn.append(self.rng.getrandbits(24) / (1 << 24))
         return self.drawn[start:start + n]
+
+
+class RequestRejected(ValueError):
+    """A request that can never run (too long for the context or the KV pool)."""
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What every request is checked against before it queues (`check`), fixed when the
+    engine starts: a server's frontend process checks with a copy, as the scheduler does."""
+
+    max_model_len: int
+    page_size: int
+    capacity: int  # usable KV pages
+    step_span: int
+    vocab_size: int
+
+    def check(self, req: Request) -> None:
+        """Raises RequestRejected when `req` can never run (its grammar is checked apart)."""
+        n = len(req.prompt_ids)
+        if n == 0:
+            raise RequestRejected("the prompt is empty")
+        if n + 1 > self.max_model_len:
+            raise RequestRejected(f"the prompt has {n} tokens; the context limit is "
+                                  f"{self.max_model_len} (--max-model-len: prompt plus at "
+                                  f"least one new token)")
+        need = pages_needed(min(n + req.params.max_new_tokens, self.max_model_len)
+                            + self.step_span, self.page_size)
+        if need > self.capacity:
+            raise RequestRejected(
+                f"the request needs {need} KV pages ({need * self.page_size} tokens with the "
+                f"step's span), the whole pool has {self.capacity} (--kv-pages, or "
+                f"sized by --gpu-memory-utilization / --cpu-memory-budget)")
+        vocab = self.vocab_size
+        bad = [t for t in req.prompt_ids if not 0 <= t < vocab]
+        if bad:
+            raise RequestRejected(f"prompt token id {bad[0]} is outside the vocabulary "
+                                  f"[0, {vocab})")
+        bad = [t for t, _ in req.params.logit_bias if not t < vocab]
+        if bad:
+            raise RequestRejected(f"logit_bias token id {bad[0]} is outside the vocabulary "
+                                  f"[0, {vocab})")

@@ -21,10 +21,11 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor
 
-from engine.config import SamplingParams
+from engine.config import Logprob, SamplingParams
 from engine.cpu import COMPILE_HINT, CompiledCPUSteps, eager_expert_pass
 from engine.kv_cache import DUMMY_PAGE, KVPool
 from engine.policy import budgets_for_sizes
@@ -104,18 +105,6 @@ class PrefillInputs:
     coin: float = 0.0
     start: int = 0
     mask: Any = None  # the grammar's mask of that token (as in `StepInputs.masks`), if any
-
-
-@dataclass(frozen=True)
-class Logprob:
-    """A token's log-probability under the target (the log-softmax of its logits, before the
-    temperature, the bias and top-k / top-p, as vLLM reports by default; a grammar's mask
-    applied), and the most likely tokens' there, most likely first, as many as the request
-    asked. Tokens a grammar rules out are at MIN_LOGPROB."""
-
-    token: int
-    logprob: float
-    top: tuple[tuple[int, float], ...] = ()
 
 
 def _logprob(token: int, logprob: float, top: Sequence[float], ids: Sequence[int], k: int
@@ -225,12 +214,18 @@ class StepGraphRunner:
         for bs, buf in self.buffers.items():
             _pad(buf.inputs(), 0)
             _pad(self.staging[bs], 0)
+        # NOTE: numpy views of the staging (the same memory): the host writes its few values a
+        # step through them, each write a small fraction of a torch op's overhead; none on the
+        # meta device, whose runner (`graphs.plan`) never loads a step.
+        self._host_np = {bs: {k: t.numpy() for k, t in host.items()}
+                         for bs, host in self.staging.items() if self.device.type != "meta"}
         # What the staging of each padded size holds from the last step, so a step writes only
         # what changed: each page-table row's (table id, pages); per input, the rows written
         # since they were padding; the sampling parameters its rows were staged with.
         self.staged_tables: dict[int, list[tuple[int | None, int]]] = {}
         self._written: dict[int, dict[str, int]] = {}
         self._staged_params: dict[int, list[SamplingParams]] = {}
+        self._sampled: tuple[list[SamplingParams], int] = ([], 0)  # (params, rows that sample)
         for bs in self.capture_sizes:
             self._forget(bs)
         # (padded size, rows, shape) -> the buffers' views; (base shape, ...) -> a step's shape
@@ -274,7 +269,11 @@ class StepGraphRunner:
         return self.shapes[(self.padded_size(b), self.kind(params, lagging))]
 
     def kind(self, params: Sequence[SamplingParams], lagging: bool = False) -> str:
-        sampled = sum(not p.greedy for p in params)
+        # NOTE: a batch's rows keep their parameters from step to step (and each step asks
+        # twice): counted again only when they change
+        if self._sampled[0] != params:
+            self._sampled = (list(params), sum(not p.greedy for p in params))
+        sampled = self._sampled[1]
         if not sampled:
             return "greedy"
         if 2 * sampled > len(params):
@@ -476,7 +475,11 @@ class StepGraphRunner:
             raise ValueError("a step needs at least one request")
         size, shape = self.padded_size(b), self.step_shape(b, inp.params, inp.lagging)
         fixed = self.use_graphs or self.compiled is not None  # a graph runs its whole size
-        cuts = [_cut(x) for x in inp.params]
+        p = inp.params
+        # NOTE: rows keep their parameters from step to step: staged again (and their cuts
+        # worked out, unless the step samples) only when the rows' parameters change
+        restage = self._staged_params[size] != p or self._written[size]["temperature"] < b
+        cuts = [_cut(x) for x in p] if restage or shape.sample else []
         promise: dict[str, Any] = {}
         if shape.sample:
             # Truncate only the rows that ask for it, and sort the vocabulary only for rows
@@ -491,9 +494,8 @@ class StepGraphRunner:
                 if self.compiled is not None:
                     promise = {k: size if v and k != "filtered" else v
                                for k, v in promise.items()}
-        masks = inp.masks or [None] * b
-        adjust = any(x.logit_bias for x in inp.params) or any(m is not None for m in masks)
-        logprobs = any(x.logprobs is not None for x in inp.params)
+        adjust = any(x.logit_bias for x in p) or any(m is not None for m in inp.masks)
+        logprobs = any(x.logprobs is not None for x in p)
         key = (shape, tuple(promise.items()), not fixed, adjust, logprobs)
         shape = self._step_shapes.get(key) or self._step_shapes.setdefault(key, replace(
             shape, **promise, host_reads=not fixed, adjust=adjust, logprobs=logprobs))
@@ -508,31 +510,24 @@ class StepGraphRunner:
             # work that reads only padding.
             most = max(map(len, inp.pages))
             width = min(self.max_pages, -(-most // 8) * 8 if self.compiled is not None else most)
-        host = self.staging[size]
+        host, hnp = self.staging[size], self._host_np[size]
         written = self._written[size]
-        self._stage_pages(size, host["page_table"], inp)
+        self._stage_pages(size, hnp["page_table"], inp)
         S = shape.max_emit
-        p = inp.params
-        host["anchor"][:b] = torch.tensor(inp.anchor)
-        host["cache_len"][:b] = torch.tensor(inp.cache_len)
-        staged = self._staged_params[size]
-        if len(staged) != b or any(x is not y for x, y in zip(staged, p)) or \
-                written["temperature"] < b:
-            # NOTE: rows keep their parameters from step to step: staged again only when the
-            # rows' requests (their params objects) change
-            host["temperature"][:b] = torch.tensor([1.0 if x.greedy else x.temperature
-                                                    for x in p])
-            host["top_k"][:b] = torch.tensor([k for k, _ in cuts])
-            host["top_p"][:b] = torch.tensor([q for _, q in cuts])
+        hnp["anchor"][:b] = inp.anchor
+        hnp["cache_len"][:b] = inp.cache_len
+        if restage:
+            hnp["temperature"][:b] = [1.0 if x.greedy else x.temperature for x in p]
+            hnp["top_k"][:b] = [k for k, _ in cuts]
+            hnp["top_p"][:b] = [q for _, q in cuts]
             self._staged_params[size] = list(p)
         if shape.sample:  # a greedy step reads no coins
-            coins = torch.tensor(inp.coins, dtype=torch.float32).view(b, -1)
-            host["coins"][:b, :S] = coins[:, :S]
+            hnp["coins"][:b, :S] = [c[:S] for c in inp.coins]
         # NOTE: a step that does not adjust reads none of the adjustment buffers, so they are
         # neither staged nor copied: a grammar's mask is ceil(V / 32) words a row.
         keys = [k for k in PADDING if shape.adjust or k not in ADJUST_INPUTS]
         if shape.adjust:
-            _stage_adjustments(host, p, masks)
+            _stage_adjustments(host, p, inp.masks or [None] * b)
         dsts = self.buffers[size].inputs()
         for k in keys:
             # rows past the batch become padding where the last step wrote them; the device
@@ -551,38 +546,44 @@ class StepGraphRunner:
         self._written[bs] = dict.fromkeys(PADDING, 0)
         self._staged_params[bs] = []
 
-    def _stage_pages(self, size: int, pt: Tensor, inp: StepInputs) -> None:
-        """Each row's pages into the staged page table `pt [size, W]`, writing only what
-        changed since the last step of this size (`StepInputs.tables`): a row whose id was
-        staged keeps its pages (moved to its new row with the others in one gather when rows
-        shifted) and gets the ones added since; any other row is written whole. So the host's
-        work follows the pages a step adds, not the contexts' length."""
+    def _stage_pages(self, size: int, pt: np.ndarray, inp: StepInputs) -> None:
+        """Each row's pages into the staged page table `pt [size, W]` (numpy, the staging's
+        memory), writing only what changed since the last step of this size
+        (`StepInputs.tables`): a row whose id was staged keeps its pages (moved to its new row
+        with the others in one gather when rows shifted) and gets the ones added since; any
+        other row is written whole. So the host's work follows the pages a step adds, not the
+        contexts' length: all of them land in one indexed write."""
         b = len(inp.pages)
-        for i, pages in enumerate(inp.pages):
-            if len(pages) > self.max_pages:
-                raise ValueError(f"row {i} holds {len(pages)} pages; the step's page table has "
-                                 f"{self.max_pages}")
+        lens = list(map(len, inp.pages))
+        if max(lens) > self.max_pages:
+            i = next(i for i, n in enumerate(lens) if n > self.max_pages)
+            raise ValueError(f"row {i} holds {lens[i]} pages; the step's page table has "
+                             f"{self.max_pages}")
         held = self.staged_tables[size]
         tables: Sequence[int | None] = inp.tables or [None] * b
         if inp.tables and [t for t, _ in held[:b]] == inp.tables:
-            src: list[int] = list(range(b))  # every row where it was (most steps)
+            old = [n for _, n in held[:b]]  # every row where it was (most steps)
         else:
             row_of = {t: r for r, (t, _) in enumerate(held) if t is not None}
             src = [row_of.get(t, -1) if t is not None else -1 for t in tables]
-        moved = [(i, j) for i, j in enumerate(src) if j not in (-1, i)]
-        if moved:
-            dst, frm = zip(*moved)
-            pt[list(dst)] = pt[list(frm)]
-        now: list[tuple[int | None, int]] = []
-        for i, (t, pages, j) in enumerate(zip(tables, inp.pages, src)):
-            n = held[j][1] if j >= 0 else 0
-            if j < 0 or len(pages) < n:
-                pt[i] = DUMMY_PAGE
+            moved = [(i, j) for i, j in enumerate(src) if j not in (-1, i)]
+            if moved:
+                dst, frm = zip(*moved)
+                pt[list(dst)] = pt[list(frm)]  # NOTE: numpy gathers the rows before writing
+            old = [held[j][1] if j >= 0 else -1 for j in src]  # -1: not staged
+        W = pt.shape[1]
+        whole, at, pages = [], [], []  # rows written whole; flat positions and their pages
+        for i, n, k in [(i, n, k) for i, (n, k) in enumerate(zip(old, lens)) if n != k]:
+            if k < n or n < 0:  # not staged, or fewer pages than staged (a list replaced)
+                whole.append(i)
                 n = 0
-            if len(pages) > n:
-                pt[i, n:len(pages)] = torch.tensor(pages[n:], dtype=torch.int64)
-            now.append((t, len(pages)))
-        self.staged_tables[size] = now  # rows b.. become padding (`_pad`)
+            at += range(i * W + n, i * W + k)
+            pages += inp.pages[i][n:]
+        if whole:
+            pt[whole] = DUMMY_PAGE
+        if at:
+            pt.put(at, pages)  # at flat positions, in place
+        self.staged_tables[size] = list(zip(tables, lens))  # rows b.. become padding (`_pad`)
 
     def run_loaded(self, buf: StepBuffers, shape: StepShape, width: int) -> None:
         """Run the step over buffers filled by `load` (replay on a GPU, eager elsewhere)."""

@@ -31,7 +31,7 @@ from typing import Any, Protocol
 
 from engine.grammar import GrammarError, Grammars
 from engine.kv_cache import BlockAllocator, OutOfPages, pages_needed
-from engine.request import Request
+from engine.request import Limits, Request, RequestRejected
 from engine.runner import Logprob, PrefillInputs, StepInputs
 
 
@@ -58,10 +58,6 @@ def find_stop(text: str, new_from: int, stops: Sequence[str]) -> int | None:
     (earlier steps looked): only a match reaching past `new_from` is searched for."""
     hits = [i for s in stops if (i := text.find(s, max(0, new_from - len(s) + 1))) >= 0]
     return min(hits) if hits else None
-
-
-class RequestRejected(ValueError):
-    """A request that can never run (too long for the context or the KV pool)."""
 
 
 @dataclass
@@ -170,33 +166,13 @@ class Scheduler:
         # keeps room for it; each step reserves only what its own shape can write, so a row's
         # page table (and the context its attention reads) stays as short as the step allows.
         self.step_span = runner.shape.max_emit
+        self.limits = Limits(max_model_len, page_size, self.alloc.capacity, self.step_span,
+                             vocab_size)
 
     # ---- admission -------------------------------------------------------------------------------
 
     def check(self, req: Request) -> None:
-        n = len(req.prompt_ids)
-        if n == 0:
-            raise RequestRejected("the prompt is empty")
-        if n + 1 > self.max_model_len:
-            raise RequestRejected(f"the prompt has {n} tokens; the context limit is "
-                                  f"{self.max_model_len} (--max-model-len: prompt plus at "
-                                  f"least one new token)")
-        need = pages_needed(min(n + req.params.max_new_tokens, self.max_model_len)
-                            + self.step_span, self.page_size)
-        if need > self.alloc.capacity:
-            raise RequestRejected(
-                f"the request needs {need} KV pages ({need * self.page_size} tokens with the "
-                f"step's span), the whole pool has {self.alloc.capacity} (--kv-pages, or "
-                f"sized by --gpu-memory-utilization / --cpu-memory-budget)")
-        vocab = self.vocab_size
-        bad = [t for t in req.prompt_ids if not 0 <= t < vocab]
-        if bad:
-            raise RequestRejected(f"prompt token id {bad[0]} is outside the vocabulary "
-                                  f"[0, {vocab})")
-        bad = [t for t, _ in req.params.logit_bias if not t < vocab]
-        if bad:
-            raise RequestRejected(f"logit_bias token id {bad[0]} is outside the vocabulary "
-                                  f"[0, {vocab})")
+        self.limits.check(req)
         if req.params.grammar is not None and req.matcher is None:
             # NOTE: the matcher is made here, once, so a grammar that cannot compile is
             # refused with the request (it touches no scheduler state).
@@ -326,32 +302,48 @@ class Scheduler:
         return kept
 
     def _decode(self, req: Request, kept: list[int]) -> None:
-        """`kept`'s text onto the request's `decoded` text, a piece a token (`new_pieces`),
-        each token decoded once (the rest of a split character too, when the request ended),
-        and its stop strings looked for in what is new."""
+        """`kept`'s text onto the request's text (`Request.decoded`), a piece a token
+        (`new_pieces`), each token decoded once (the rest of a split character too, when the
+        request ended), and its stop strings looked for where a match reaches into what is new:
+        in the text's tail (`Request.text_tail`) and the new text, so a step's work does not
+        grow with the text."""
         assert self.decoder is not None
         if req.text_decoder is None:  # the request's first tokens (or a copy's)
             req.text_decoder = self.decoder()
             earlier = req.output_ids[:len(req.output_ids) - len(kept)]
-            req.decoded = "".join(req.text_decoder.pieces(earlier))
-        before = len(req.decoded)
+            text = "".join(req.text_decoder.pieces(earlier))
+            req.text_parts, req.text_len = [text], len(text)
+            req.text_tail = text[max(0, len(text) - req.stop_hold):]
         new = req.text_decoder.pieces(kept)
-        req.decoded += "".join(new)
+        text = "".join(new)
         stops = req.params.stop
-        cut = find_stop(req.decoded, before, stops) if stops and new else None
-        if cut is not None:
-            req.text_end = cut
-            req.finish_reason = "stop"
+        if text and stops:
+            tail = req.text_tail
+            window = tail + text
+            for s in stops:
+                if s in window:  # NOTE: most steps' text holds none: no search for where
+                    cut = find_stop(window, len(tail), stops)
+                    if cut is not None:
+                        req.text_end = req.text_len - len(tail) + cut
+                        req.finish_reason = "stop"
+                    break
+            req.text_tail = window[max(0, len(window) - req.stop_hold):]
         if req.finished:
             new.append(req.text_decoder.flush())
-            req.decoded += new[-1]
+            text += new[-1]
+        if text:
+            req.text_parts.append(text)
+            req.text_len += len(text)
         req.new_pieces = new
 
     def _reserve(self, span: int) -> bool:
         """Pages for `span` tokens past each running request's cache; when the pool runs dry,
         the newest prompt being prefilled (else the newest running request) goes back to the
         queue and False is returned."""
+        size = self.page_size
         for req in self.running:
+            if len(req.pages) * size >= req.cache_len + span:
+                continue  # NOTE: most rows most steps: the pages they hold suffice
             try:
                 self._grow(req, req.cache_len + span)
             except OutOfPages:

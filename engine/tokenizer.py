@@ -463,6 +463,11 @@ class IncrementalDecoder:
         table, utf8 = self._tokenizer._text_bytes, self._utf8
         out = []
         try:
+            if not utf8.buffer:
+                try:  # NOTE: most steps' ids each end whole characters: all in one pass
+                    return [table[i].decode() for i in ids]
+                except UnicodeDecodeError:
+                    pass  # a character split across ids: one id at a time
             for i in ids:
                 b = table[i]
                 if not utf8.buffer:  # NOTE: no character pending: most tokens end whole

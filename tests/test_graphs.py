@@ -3,6 +3,8 @@ the dummy page, per-size budgets, and capture errors."""
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
@@ -517,10 +519,11 @@ def test_page_tables_are_staged_incrementally(models):
 
     runner = runner_for(models, make_pool(models), StepShape("ar", 1, BLOCK, False), [4])
 
-    def stage(rows: list[tuple[int, list[int]]]) -> None:
+    def stage(rows: list[tuple[int, list[int]]], ids: bool = True) -> None:
         b = len(rows)
         inp = StepInputs([1] * b, [0] * b, [p for _, p in rows], [SamplingParams()] * b,
-                         [[0.0] * runner.coins_per_row(b)] * b, tables=[t for t, _ in rows])
+                         [[0.0] * runner.coins_per_row(b)] * b,
+                         tables=[t for t, _ in rows] if ids else [])
         runner.load(inp)
         want = torch.full_like(runner.staging[4]["page_table"], DUMMY_PAGE)
         for i, (_, pages) in enumerate(rows):
@@ -534,3 +537,17 @@ def test_page_tables_are_staged_incrementally(models):
     stage([(12, c), (10, a)])  # swapped
     stage([(10, a), (14, [9])])  # c's pages given back; its next ones are another table
     stage([(10, [11, 12]), (14, [9])])  # an id whose list shrank is written whole
+    # random steps: rows leave, come, shift and grow; now and then a step without table ids
+    g = random.Random(0)
+    rows: list[tuple[int, list[int]]] = []
+    for t in range(100, 400):
+        rows = [r for r in rows if g.random() < 0.9]
+        if g.random() < 0.2:
+            g.shuffle(rows)
+        for _, pages in rows:
+            grow = min(g.choice([0, 0, 1, 3]), runner.max_pages - len(pages))
+            pages += [g.randrange(1, 50) for _ in range(grow)]
+        if len(rows) < 4 and g.random() < 0.5:
+            rows.append((t, [g.randrange(1, 50) for _ in range(g.randrange(1, 5))]))
+        if rows:
+            stage(rows, ids=g.random() < 0.95)

@@ -327,3 +327,37 @@ def test_each_token_is_decoded_once_into_the_events_pieces():
     assert events[-1].finished and events[-1].pieces[-1] == "!"
     text = "".join(p for ev in events for p in ev.pieces)
     assert text == a.decoded
+
+
+def test_a_stop_string_split_across_steps_is_found_far_into_a_long_output(monkeypatch):
+    """The stop search looks only at the text's last (longest stop - 1) characters and the new
+    text, whatever the output's length: a stop string spanning several steps, thousands of
+    tokens in, is still found, `text_end` indexes the whole text, and that text is one whole
+    decode of the output."""
+    import engine.scheduler as sched
+
+    piece = lambda t: f"{t},"  # the outputs count up: "2,3,4,...,2999,3000,..."
+    dec = lambda: SimpleNamespace(pieces=lambda ids: [piece(i) for i in ids], flush=str)
+    searched: list[int] = []
+    find_stop = sched.find_stop
+    monkeypatch.setattr(sched, "find_stop", lambda text, new_from, stops: (
+        searched.append(len(text)), find_stop(text, new_from, stops))[1])
+    stop = "".join(piece(t) for t in range(2994, 3001))  # 7 tokens: over three steps
+    s = Scheduler(FakeRunner(emit=3), num_pages=2100, page_size=PAGE, vocab_size=1000,
+                  max_batch_size=2, max_model_len=8000, decoder=dec)
+    a = req(0, [1], max_new_tokens=5000, ignore_eos=True, stop=("never", stop))
+    b = req(1, [1], max_new_tokens=4000, ignore_eos=True, stop=("never",))
+    s.add(a)
+    s.add(b)
+    pieces: dict[int, list[str]] = {0: [], 1: []}
+    while s.has_work:
+        for ev in s.step():
+            pieces[ev.req.rid] += ev.pieces
+    whole = "".join(piece(t) for t in a.output_ids)
+    assert a.finish_reason == "stop" and a.output_ids[-1] >= 3000
+    assert a.text_end == whole.find(stop) and whole[a.text_end:].startswith(stop)
+    assert a.decoded == whole == "".join(pieces[0])
+    assert b.finish_reason == "length" and b.text_end is None and len(b.output_ids) == 4000
+    assert b.decoded == "".join(piece(t) for t in b.output_ids) == "".join(pieces[1])
+    # each search saw at most the held tail and one step's text (3 tokens of 5 characters)
+    assert searched and max(searched) <= len(stop) - 1 + 3 * 5

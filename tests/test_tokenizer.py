@@ -477,6 +477,21 @@ def test_stream_one_id_at_a_time(byte_tok: Tokenizer, tok: Tokenizer) -> None:
     assert [dec.push([i]) for i in byte_tok.encode("🎉")] == ["", "", "", "🎉"]
 
 
+def test_pieces_are_each_ids_push(byte_tok: Tokenizer, tok: Tokenizer) -> None:
+    """`pieces` gives what `push` of each id alone gives, however the ids come in steps: a
+    character spread over ids comes with its last, a special id (skipped) gives nothing."""
+    for t in (byte_tok, tok):
+        ids = t.encode("a🎉b 世界 👩‍👩‍👧 café\n")
+        special = next(iter(t.special_tokens.values()))
+        ids = ids[:3] + [special] + ids[3:]  # within the emoji's bytes in `byte_tok`
+        for step in (1, 2, 3, 5, len(ids)):
+            one, many = t.stream_decoder(True), t.stream_decoder(True)
+            want = [one.push([i]) for i in ids]
+            got = [p for k in range(0, len(ids), step) for p in many.pieces(ids[k:k + step])]
+            assert got == want and len(got) == len(ids)
+            assert "".join(got) + many.flush() == t.decode(ids, True)
+
+
 def test_stream_flush_of_truncated_character(byte_tok: Tokenizer) -> None:
     dec = byte_tok.stream_decoder()
     assert dec.push(byte_tok.encode("x🎉")[:3]) == "x"
