@@ -7,6 +7,7 @@ import asyncio
 import json
 import os
 import random
+import signal
 import socket
 import subprocess
 import sys
@@ -27,7 +28,7 @@ pytest.importorskip("uvicorn")
 from bench.common import server_metrics  # noqa: E402
 from engine.config import SamplingParams  # noqa: E402
 from engine.llm import LLM  # noqa: E402
-from engine.serve.worker import Engine, Handle  # noqa: E402
+from engine.serve.worker import Engine, Handle, merge  # noqa: E402
 from engine.tokenizer import Tokenizer  # noqa: E402
 from tools.make_draft import make_draft  # noqa: E402
 from tools.make_tiny import make_tiny  # noqa: E402
@@ -662,6 +663,70 @@ def test_engine_thread_hands_out_tokens_per_step_or_whole(offline_llm: LLM) -> N
     assert all(i[0] == "tokens" and i[2] is None for i in aborted)  # it never finished
     assert sum(len(i[1]) for i in aborted) < 240
     assert sched.alloc.num_free == free0 and not sched.has_work
+
+
+def test_a_slow_reader_gets_the_queued_steps_merged() -> None:
+    """A handler that falls behind the engine takes every tokens item queued so far as one
+    (ids, log-probabilities and text in order); an error behind them comes next, apart."""
+
+    class Http:
+        async def is_disconnected(self) -> bool:
+            return False
+
+    def item(ids: list[int], reason: str | None = None) -> tuple[Any, ...]:
+        return ("tokens", ids, reason, None, None, [str(i) for i in ids], None)
+
+    async def run() -> list[tuple[Any, ...]]:
+        h = Handle(None)  # type: ignore[arg-type]
+        for x in (item([1, 2]), item([3]), ("error", "boom"), item([4], "stop")):
+            h.queue.put_nowait(x)
+        return [await h.next(Http()) for _ in range(3)]  # type: ignore[arg-type]
+
+    merged_, error, last = asyncio.run(run())
+    assert merged_ == ("tokens", [1, 2, 3], None, None, None, ["1", "2", "3"], None)
+    assert error == ("error", "boom") and last == item([4], "stop")
+    lp = merge(("tokens", [1], None, None, ["a"], ["x"], ["p"]),
+               ("tokens", [2], "stop", 5, ["b"], ["y"], None))
+    assert lp == ("tokens", [1, 2], "stop", 5, ["a", "b"], ["x", "y"], ["p"])
+
+
+def _frontend(pid: int) -> int:
+    """The HTTP process a server's engine process `pid` spawned."""
+    kids = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    (front,) = [int(k) for k in kids if b"spawn_main" in Path(f"/proc/{k}/cmdline").read_bytes()]
+    return front
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="reads /proc (Linux)")
+def test_engine_and_http_processes_stop_together(ckpt: tuple[Path, Path], tmp_path: Path
+                                                  ) -> None:
+    """`python -m engine.serve` is two processes: the engine's and, its child, the HTTP
+    frontend, which never loads torch. A SIGTERM to the engine's lets a stream in flight end
+    whole, then both exit 0; a frontend that dies takes the engine down with an error."""
+    s = _start(ckpt, tmp_path / "stop.log", "--max-model-len", "128")
+    try:
+        front = _frontend(s.proc.pid)
+        assert "libtorch" not in Path(f"/proc/{front}/maps").read_text()
+        body = {"prompt": _ids(3, 5), "max_tokens": 100, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", f"{s.url}/v1/completions", json=body, timeout=30) as r:
+            it = r.iter_lines()
+            lines = [next(it)]
+            s.proc.send_signal(signal.SIGTERM)
+            lines += [x for x in it if x]
+        events = [json.loads(x[6:]) for x in lines if x.startswith("data: {")]
+        assert lines[-1] == "data: [DONE]" and events[-1]["choices"][0]["finish_reason"] == "length"
+        assert s.proc.wait(30) == 0
+        assert not Path(f"/proc/{front}").exists()
+    finally:
+        _stop(s)
+    s = _start(ckpt, tmp_path / "lost.log", "--max-model-len", "128")
+    try:
+        front = _frontend(s.proc.pid)
+        os.kill(front, signal.SIGKILL)
+        assert s.proc.wait(30) != 0
+        assert "the HTTP server exited" in s.log.read_text()
+    finally:
+        _stop(s)
 
 
 # ---- tools and template kwargs -----------------------------------------------------------------

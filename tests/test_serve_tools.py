@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import time
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -54,6 +55,9 @@ ORDINARY = 768
 MARKERS = {11: SECTION_BEGIN, 12: SECTION_END, 13: CALL_BEGIN, 14: ARGUMENT_BEGIN, 15: CALL_END,
            22: THINK_BEGIN, 23: THINK_END}
 EMIT = 3  # ids per scripted step
+# A scripted step's time, as a real step takes some: a reader that keeps up gets each step's
+# tokens in a chunk of their own (one that falls behind gets them merged).
+STEP_S = 0.01
 TOOLS = [
     {"type": "function", "function": {
         "name": "get_weather", "description": "Weather in a city.",
@@ -115,6 +119,7 @@ class ScriptedRunner:
         """Nothing to capture: the server calls it before serving."""
 
     def step(self, inp: StepInputs, pad: bool = False) -> tuple[list[list[int]], list[int]]:
+        time.sleep(STEP_S)
         out = [list(itertools.islice(self.rows[p[0]], EMIT)) or [self.eos] for p in inp.pages]
         return out, [len(o) - 1 for o in out]
 

@@ -51,7 +51,7 @@ from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Receive, Scope, Send
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from engine.config import MAX_SEED, SamplingParams
+from engine.config import MAX_SEED, Logprob, SamplingParams
 from engine.grammar import (
     GrammarError,
     json_or_tool_call_grammar,
@@ -59,12 +59,10 @@ from engine.grammar import (
     reasoning_prefix,
     tool_call_grammar,
 )
-from engine.llm import LLM
-from engine.runner import Logprob
-from engine.scheduler import RequestRejected
+from engine.request import RequestRejected
 from engine.serve import protocol as api
 from engine.serve.options import ServeConfig
-from engine.serve.worker import ClientGone, Engine, Handle
+from engine.serve.worker import ClientGone, Engine, Handle, ModelInfo
 from engine.tokenizer import TokenizerError
 from engine.toolcalls import (
     PROMPT_TAIL_IDS,
@@ -154,14 +152,14 @@ def _longest_token_bytes(tok: Any) -> int:
 
 
 class Server:
-    """HTTP-side state: the engine, the served name, admission."""
+    """HTTP-side state: what it knows of the model, the engine, the served name, admission."""
 
-    def __init__(self, llm: LLM, served_model_name: str, max_queue: int = 256,
-                 threads: int | None = None, config: ServeConfig | None = None):
-        self.llm, self.name, self.max_queue = llm, served_model_name, max_queue
+    def __init__(self, model: ModelInfo, engine: Engine, served_model_name: str,
+                 max_queue: int = 256, config: ServeConfig | None = None):
+        self.model, self.name, self.max_queue = model, served_model_name, max_queue
         self.cfg = config or ServeConfig()
-        self.token_bytes = _longest_token_bytes(llm.tokenizer) if llm.tokenizer else 0
-        self.engine = Engine(llm, threads)
+        self.token_bytes = _longest_token_bytes(model.tokenizer) if model.tokenizer else 0
+        self.engine = engine
         self.created = int(time.time())
         self.active = 0  # requests submitted and not yet closed (event-loop thread only)
         self.engine.metrics.queue_depth.set_function(lambda: max(self.engine.snapshot["waiting"],
@@ -199,13 +197,13 @@ class Server:
 
     def tokenizer(self, param: str) -> Any:
         """The tokenizer, or a 400 naming `param` when this model has none."""
-        if self.llm.tokenizer is None:
+        if self.model.tokenizer is None:
             raise api.bad(param, "this model has no tokenizer")
-        return self.llm.tokenizer
+        return self.model.tokenizer
 
     def check_ranges(self, body: Body) -> None:
         """What the body's own fields cannot know: ranges set by this model."""
-        vocab = self.llm.scheduler.vocab_size
+        vocab = self.model.vocab_size
         if body.top_k > vocab:
             raise api.bad("top_k", f"top_k is {body.top_k}, but this model's vocabulary has "
                                    f"{vocab} tokens (-1 or 0: no top-k)")
@@ -217,7 +215,7 @@ class Server:
     def check_bytes(self, param: str, nbytes: int) -> None:
         """Refuses, before tokenizing, a text of `nbytes` UTF-8 bytes that cannot fit the
         context however it is tokenized (each token stands for at most `token_bytes` bytes)."""
-        limit = self.llm.max_model_len
+        limit = self.model.max_model_len
         if self.token_bytes and nbytes > self.token_bytes * (limit - 1):
             raise api.bad(param, f"{param} has {nbytes} bytes of text, at least "
                                  f"{math.ceil(nbytes / self.token_bytes)} tokens, but this "
@@ -235,7 +233,7 @@ class Server:
         choices handed to the engine (or why they cannot run: then none is), and the readers of
         their answers (None without a tokenizer)."""
         self.check_model(body.model)
-        tok, chat = self.llm.tokenizer, isinstance(body, api.ChatRequest)
+        tok, chat = self.model.tokenizer, isinstance(body, api.ChatRequest)
         param, prompt, kw = (("messages", *body.template_inputs()) if chat
                              else ("prompt", body.one_prompt(), {}))
         if tok is None and not chat and (body.echo or body.logprobs is not None):
@@ -253,7 +251,7 @@ class Server:
                    run_in_threadpool(tok.apply_chat_template if chat else tok.encode, prompt, **kw))
         except TokenizerError as e:
             raise api.bad(param, str(e)) from e
-        n, limit = len(ids), self.llm.max_model_len
+        n, limit = len(ids), self.model.max_model_len
         if n + 1 > limit:
             raise api.bad(param, f"{param} has {n} tokens, but this model's context limit is "
                                  f"{limit} tokens (prompt plus at least one new token)",
@@ -276,7 +274,7 @@ class Server:
         handles: list[Handle] = []
         try:
             for p in choice_params(params, body.n):
-                h = Handle(self.llm.make_request(ids, p), stream=body.stream)
+                h = Handle(self.model.make_request(ids, p), stream=body.stream)
                 self.engine.submit(h)
                 self.active += 1
                 handles.append(h)
@@ -298,7 +296,7 @@ class Server:
         tools, schema = body.forced_tools, body.answer_schema
         if tools is None and schema is None:
             return params
-        tok, grammars = self.llm.tokenizer, self.llm.scheduler.grammars
+        tok, grammars = self.model.tokenizer, self.model.grammars
         param = "tools" if tools is not None else "response_format"
         if grammars is None:
             raise api.bad(param, f"{param}: this model cannot enforce a grammar (it has no "
@@ -340,7 +338,7 @@ class Server:
                 item = await h.next(http)
                 if item[0] == "error":
                     raise api.error(500, str(item[1]), None, "engine_error", "server_error")
-                _, new, reason, text_end, logprobs, pieces = item
+                _, new, reason, text_end, logprobs, pieces, _ = item
                 n += len(new)
                 if reason is not None:
                     last = out.end(new, text_end, pieces) if out else OutputDelta()
@@ -373,9 +371,15 @@ def _sse(obj: dict[str, Any]) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
 
-def build_app(llm: LLM, served_model_name: str, max_queue: int = 256,
-              threads: int | None = None, config: ServeConfig | None = None) -> FastAPI:
-    srv = Server(llm, served_model_name, max_queue, threads, config)
+def build_app(llm: Any, served_model_name: str, max_queue: int = 256,
+              threads: int | None = None, config: ServeConfig | None = None, *,
+              model: ModelInfo | None = None, engine: Engine | None = None) -> FastAPI:
+    """The app over `llm` (an `engine.llm.LLM`, its engine loop on a thread of this process),
+    or over `model` and an `engine` whose core runs elsewhere (`engine.serve.procs`)."""
+    if engine is None:
+        model, engine = ModelInfo.of(llm), Engine(llm, threads)
+    assert model is not None
+    srv = Server(model, engine, served_model_name, max_queue, config)
 
     app = FastAPI(title="kimi-spec", lifespan=lambda _: srv.engine.running())
     app.state.server = srv
@@ -402,14 +406,14 @@ def build_app(llm: LLM, served_model_name: str, max_queue: int = 256,
 
     @app.get("/health")
     async def health() -> dict[str, Any]:
-        return {"status": "ok", "model": srv.name, "max_model_len": llm.max_model_len,
+        return {"status": "ok", "model": srv.name, "max_model_len": model.max_model_len,
                 "active": srv.active, **srv.engine.snapshot}
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
         return {"object": "list", "data": [{
             "id": srv.name, "object": "model", "created": srv.created, "owned_by": "kimi-spec",
-            "max_model_len": llm.max_model_len}]}
+            "max_model_len": model.max_model_len}]}
 
     @app.post("/v1/completions")
     @app.post("/v1/chat/completions")
@@ -435,7 +439,7 @@ def build_app(llm: LLM, served_model_name: str, max_queue: int = 256,
                     "prompt_tokens": len(ids), "completion_tokens": n, "total_tokens": len(ids) + n}
             return out
 
-        tok = llm.tokenizer
+        tok = model.tokenizer
         # completions: each choice's log-probabilities writer (its text offsets run on)
         offsets = [CompletionLogprobs(tok) for _ in handles] if not chat and tok else []
         echo = not chat and body.echo
@@ -457,7 +461,7 @@ def build_app(llm: LLM, served_model_name: str, max_queue: int = 256,
             """An echoed prompt's text, and its tokens' log-probabilities when asked (the
             engine has them once it returned the choice's first tokens)."""
             prompt = body.one_prompt()
-            text = prompt if isinstance(prompt, str) else llm.decode(ids)
+            text = prompt if isinstance(prompt, str) else model.decode(ids)
             lps = handles[i].req.prompt_logprobs
             return text, None if lps is None else [*zip(ids, lps)]
 
@@ -542,7 +546,7 @@ def build_app(llm: LLM, served_model_name: str, max_queue: int = 256,
                 ids, text = await run_in_threadpool(tok.encode, body.prompt), body.prompt
         except TokenizerError as e:
             raise api.bad(param, str(e)) from e
-        out: dict[str, Any] = {"count": len(ids), "max_model_len": llm.max_model_len,
+        out: dict[str, Any] = {"count": len(ids), "max_model_len": model.max_model_len,
                                "tokens": ids}
         if body.return_token_strs:
             out["token_strs"] = token_strs(tok, ids)

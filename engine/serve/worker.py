@@ -1,30 +1,46 @@
-"""The engine loop: one thread owns the scheduler and steps while there is work. Handlers on the
-event loop only queue submissions and aborts for it, which it applies between steps; each step's
-tokens come back to the loop in one call, into per-request asyncio queues."""
+"""The engine loop and the server's link to it.
+
+`Core` owns the scheduler: it applies queued commands (add, abort, stop) between steps and steps
+back to back while there is work; each step's outcome is one `Report`: the items of every
+request that got tokens (or failed), the engine's state (`snapshot`) and its counters'
+increments. `Engine` is the HTTP side: handlers `submit` requests and `post` aborts, and each
+report lands, on the event loop, in per-request asyncio queues and the Prometheus metrics.
+
+The core runs beside the event loop in one of two ways:
+- `Local`: on a thread of the server's process (tests, an `LLM` served from Python);
+- `Remote`: in a process of its own, linked by two pipes (`python -m engine.serve`, see
+  `engine.serve.procs`). The core's process is the model's (the tensor-parallel leader under
+  torchrun); HTTP, JSON, the answers' parsing and streaming run in a child process, so they
+  never hold the interpreter lock a step needs.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import functools
+import itertools
 import logging
 import os
+import queue
 import signal
 import threading
 import time
-from collections import deque
-from collections.abc import AsyncIterator
+from collections import Counter, deque
+from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from multiprocessing.connection import Connection
+from typing import Any, Protocol
 
-import torch
 from fastapi import Request
 
-from engine.dist import PeerLost
-from engine.llm import LLM
+from engine.config import SamplingParams
+from engine.grammar import Grammars
+from engine.request import Limits
 from engine.request import Request as EngineRequest
 from engine.serve.metrics import Metrics
+from engine.tokenizer import Tokenizer
 
 log = logging.getLogger("engine.serve")
 DISCONNECT_POLL_S = 0.25  # how often a waiting handler checks that its client is still there
@@ -33,6 +49,8 @@ BLAMED = ("the engine failed while running this request, and only this request: 
           "in its batch went on (the server log has the cause)")
 UNATTRIBUTED = ("an engine step failed and the failure could not be attributed to one request, "
                 "so every request of the step was failed (the server log has the cause)")
+SHUTDOWN = "the server is shutting down"
+Item = tuple[Any, ...]
 
 
 class ClientGone(Exception):
@@ -40,26 +58,65 @@ class ClientGone(Exception):
 
 
 @dataclass
+class Report:
+    """What the core tells the HTTP side after a step (or after commands changed its state):
+    `items` per request id, ("tokens", new_ids, finish_reason | None, text_end, logprobs,
+    pieces, prompt_logprobs) or ("error", message), in the order the engine made them; the
+    engine's `snapshot` after them; and its counters' increments (`counts`: steps,
+    step_seconds, generated, accepted (each row's tokens a step), finished (by reason),
+    preemptions, phases (seconds by step phase))."""
+
+    items: list[tuple[int, Item]]
+    snapshot: dict[str, int]
+    counts: dict[str, Any]
+
+
+@dataclass
+class ModelInfo:
+    """What the HTTP side knows of the served model, without its weights: tokenizer, limits
+    and grammars; it names the requests it makes."""
+
+    tokenizer: Tokenizer | None
+    max_model_len: int
+    vocab_size: int
+    grammars: Grammars | None = None
+    _rids: Iterator[int] = field(default_factory=itertools.count, repr=False)
+
+    @classmethod
+    def of(cls, llm: Any) -> ModelInfo:
+        """The view of an `engine.llm.LLM` (or anything with its tokenizer, max_model_len and
+        scheduler)."""
+        s = llm.scheduler
+        return cls(llm.tokenizer, llm.max_model_len, s.vocab_size, s.grammars)
+
+    def make_request(self, prompt_ids: list[int], params: SamplingParams) -> EngineRequest:
+        return EngineRequest(next(self._rids), list(prompt_ids), params)
+
+    def decode(self, ids: list[int]) -> str:
+        """Output text: special tokens leave none."""
+        return self.tokenizer.decode(ids, skip_special_tokens=True) if self.tokenizer else ""
+
+
+@dataclass
 class Handle:
-    """One HTTP request's link to the engine. `queue` receives ("tokens", new_ids,
-    finish_reason | None, text_end, logprobs, pieces) items (`logprobs`: the new tokens'
-    `engine.runner.Logprob`s, None unless the request asks; `pieces`: their text as the
-    engine decoded it, `engine.scheduler.StepEvent.pieces`), or ("error", msg)."""
+    """One HTTP request's link to the engine. `queue` receives the request's report items
+    (`Report.items`; its tokens' `logprobs` are `engine.runner.Logprob`s, None unless it asks;
+    `pieces` their text as the engine decoded it, `engine.scheduler.StepEvent.pieces`)."""
 
     req: EngineRequest
     # Whether the answer is sent as it grows. A whole answer's handler wakes only for the last
-    # item (all its tokens): waking it at every step costs the step thread a pause between
-    # steps, the handler's Python holding the interpreter meanwhile.
+    # item (all its tokens): waking it at every step costs the event loop for nothing.
     stream: bool = True
-    queue: asyncio.Queue[tuple[Any, ...]] = field(default_factory=asyncio.Queue)
+    queue: asyncio.Queue[Item] = field(default_factory=asyncio.Queue)
     closed: bool = False
     _checked: float = 0.0
-    _held: list[int] = field(default_factory=list)  # tokens not yet queued (not `stream`)
-    _held_logprobs: list[Any] = field(default_factory=list)  # and their log-probabilities
-    _held_pieces: list[str] = field(default_factory=list)  # and their text
+    _held: Item | None = None  # tokens not yet queued (not `stream`)
+    _pending: Item | None = None  # taken from the queue, not yet handed out
 
-    async def next(self, http: Request) -> tuple[Any, ...]:
-        """The next item; raises ClientGone if `http`'s client disconnects."""
+    async def next(self, http: Request) -> Item:
+        """The next item, every tokens item queued behind it merged into it (a client slower
+        than the engine gets fewer, larger chunks); raises ClientGone if `http`'s client
+        disconnects."""
         while True:
             # Checked on a clock, not only when idle: tokens may arrive faster than the poll.
             now = time.monotonic()
@@ -67,135 +124,145 @@ class Handle:
                 self._checked = now
                 if await http.is_disconnected():
                     raise ClientGone()
-            with contextlib.suppress(TimeoutError):
-                return await asyncio.wait_for(self.queue.get(), DISCONNECT_POLL_S)
+            if self._pending is None and self.queue.empty():
+                with contextlib.suppress(TimeoutError):
+                    self._pending = await asyncio.wait_for(self.queue.get(), DISCONNECT_POLL_S)
+                if self._pending is None:
+                    continue
+            item, self._pending = self._pending or self.queue.get_nowait(), None
+            while item[0] == "tokens" and item[2] is None and not self.queue.empty():
+                nxt = self.queue.get_nowait()
+                if nxt[0] != "tokens":
+                    self._pending = nxt  # an error: handed out next
+                    break
+                item = merge(item, nxt)
+            return item
 
 
-class Engine:
-    """`running` is the app's lifespan; handlers `submit` and `post` aborts.
+def wire(req: EngineRequest) -> tuple[int, list[int], SamplingParams]:
+    """What a request is across processes (`unwire` makes it again): its id, prompt and
+    parameters; its random stream is seeded where it runs, as anywhere."""
+    return req.rid, req.prompt_ids, req.params
 
-    The step thread owns the scheduler and steps back to back while there is work, as the
-    offline engine does; the event loop only queues commands for it (`post`) and receives each
-    step's tokens (`_deliver`). Handing every step to the thread from the loop and back costs a
-    pause between every two steps (a larger share of a plain step than of a tree step), time in
-    which neither runs a step."""
 
-    def __init__(self, llm: LLM, threads: int | None = None):
-        self.llm, self.sched = llm, llm.scheduler
+def unwire(w: tuple[int, list[int], SamplingParams]) -> EngineRequest:
+    return EngineRequest(*w)
+
+
+def merge(a: Item, b: Item) -> Item:
+    """Two tokens items of one request as one: `b`'s tokens after `a`'s."""
+    _, ids, _, _, lps, pieces, plp = a
+    _, ids2, reason, text_end, lps2, pieces2, plp2 = b
+    return ("tokens", ids + ids2, reason, text_end,
+            None if lps is None and lps2 is None else (lps or []) + (lps2 or []),
+            None if pieces is None and pieces2 is None else (pieces or []) + (pieces2 or []),
+            plp if plp is not None else plp2)
+
+
+# ---- the core: the scheduler's thread ------------------------------------------------------------
+
+
+class Core:
+    """The engine loop over `llm`'s scheduler. `post` queues a command from any thread:
+    ("add", request), ("abort", request id) or ("stop", None); `run` applies them between
+    steps and steps while there is work, handing each `Report` to `emit` (on its own thread),
+    until a stop (every request left then fails) or a lost tensor-parallel peer (`fatal`)."""
+
+    def __init__(self, llm: Any, emit: Callable[[Report], None]):
+        from engine.dist import PeerLost
+
+        self.llm, self.sched, self.emit = llm, llm.scheduler, emit
         # A failing row fails alone (the scheduler runs a failed call again row by row); a lost
         # peer is nobody's fault and no later step can run.
         self.sched.isolate, self.sched.fatal = True, (PeerLost,)
-        self.threads = threads or torch.get_num_threads()  # the step thread's torch threads
-        self.metrics = Metrics(self.sched.step_span)
-        self.fatal: str | None = None  # why the engine stopped for good (tensor parallelism)
-        self.snapshot: dict[str, int] = {}  # NOTE: replaced whole, never half-updated
-        self._todo: deque[tuple[str, Handle | None]] = deque()  # loop -> step thread
+        self.fatal: str | None = None  # why the engine stopped for good
+        self._todo: deque[tuple[str, Any]] = deque()
         self._wake = threading.Event()
-        self._live: dict[int, Handle] = {}  # event loop only: requests whose answer is open
-        self._owned: dict[int, EngineRequest] = {}  # step thread only: requests it runs
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._seen: dict[str, float] = {}  # counters' values at the last publish
-        self._publish()
+        self._owned: dict[int, EngineRequest] = {}  # the requests it runs, by id
+        self._prompt_sent: set[int] = set()  # ids whose prompt log-probabilities were sent
+        self._seen: dict[str, float] = self._totals()  # counters' values at the last report
+        self.snapshot = self._snapshot()
 
-    @contextlib.asynccontextmanager
-    async def running(self) -> AsyncIterator[None]:
-        """Step graphs captured on the step thread, then the engine loop there; leaving fails
-        the rest."""
-        self._loop = loop = asyncio.get_running_loop()
-        with ThreadPoolExecutor(1, "engine", torch.set_num_threads, (self.threads,)) as thread:
-            await loop.run_in_executor(thread, functools.partial(self.llm.runner.capture,
-                                                                 lagging=True))
-            done = loop.run_in_executor(thread, self._run)
-            try:
-                yield
-            finally:
-                self.post("stop", None)
-                await done
-                self._fail([*self._live], "the server is shutting down")  # never handed over
-
-    def submit(self, h: Handle) -> None:
-        """Queues `h`'s request; raises RequestRejected at once when it can never run."""
-        self.sched.check(h.req)  # NOTE: reads fixed limits only, so it may run beside a step
-        self._live[h.req.rid] = h
-        self.metrics.prompt_tokens.inc(len(h.req.prompt_ids))
-        self.post("add", h)
-
-    def post(self, kind: str, h: Handle | None) -> None:
-        """`abort` a request, or `stop`, when the engine is next between steps."""
-        if kind == "abort" and h is not None:
-            self._live.pop(h.req.rid, None)  # no more tokens for it
-        self._todo.append((kind, h))
+    def post(self, cmd: tuple[str, Any]) -> None:
+        self._todo.append(cmd)
         self._wake.set()
 
-    # ---- the step thread -----------------------------------------------------------------------
-
-    def _run(self) -> None:
+    def run(self) -> None:
         # NOTE: the scheduler and the models are touched only here, so commands apply between
         # steps. A post after the wait and before the clear is drained below.
         while True:
             if not self._todo and not self.sched.has_work:
                 self._wake.wait()
             self._wake.clear()
+            items: list[tuple[int, Item]] = []
+            counts: dict[str, Any] = {}
             while self._todo:
-                kind, h = self._todo.popleft()
+                kind, arg = self._todo.popleft()
                 if kind == "stop":
-                    return self._fail_all("the server is shutting down")
-                assert h is not None
-                self._command(kind, h.req)
-            if not self.sched.has_work:  # a step publishes itself
-                self._publish()
+                    return self._fail_all(SHUTDOWN)
+                self._command(kind, arg, items, counts)
+            if not self.sched.has_work:
+                self._report(items, counts)
                 continue
             try:
                 t0 = time.perf_counter()
                 events = self.sched.step()
-                self._stepped(events, time.perf_counter() - t0)
+                counts.update(steps=1, step_seconds=time.perf_counter() - t0)
+                self._stepped(events, items, counts)
             except Exception as e:  # noqa: BLE001 - the engine outlives any one failure
                 log.exception("engine step failed outside fault isolation; failing every "
                               "in-flight request")
                 # NOTE: the cause stays in the log: exception text is no client's business.
                 self._fail_all(UNATTRIBUTED)
-                if isinstance(e, PeerLost):
-                    # NOTE: a tensor-parallel peer is gone and no later step can run: stop the
-                    # server (main exits non-zero).
+                if isinstance(e, self.sched.fatal):  # no later step can run: the server stops
                     self.fatal = str(e)
-                    os.kill(os.getpid(), signal.SIGTERM)
                     return
+            self._report(items, counts)
 
-    def _command(self, kind: str, req: EngineRequest) -> None:
+    def _command(self, kind: str, arg: Any, items: list[tuple[int, Item]],
+                 counts: dict[str, Any]) -> None:
         if kind == "add":
-            self.sched.add(req)
-            self._owned[req.rid] = req
-        elif self._owned.pop(req.rid, None) is not None:  # an abort of a running request
-            self.sched.abort(req)
-            self.metrics.finished.labels("abort").inc()
+            try:
+                self.sched.add(arg)
+            except Exception as e:  # noqa: BLE001 - the HTTP side checked it; this one fails
+                items.append((arg.rid, ("error", f"request rejected: {e}")))
+                return
+            self._owned[arg.rid] = arg
+        elif kind == "abort" and (req := self._owned.pop(arg, None)) is not None:
+            self.sched.abort(req)  # a request still running; a finished one is gone already
+            self._prompt_sent.discard(arg)
+            counts.setdefault("finished", Counter())["abort"] += 1
+        elif kind not in ("add", "abort"):
+            raise ValueError(f"unknown engine command {kind!r}")
 
-    def _stepped(self, events: list[Any], seconds: float) -> None:
-        m = self.metrics
-        m.step_seconds.inc(seconds)
-        m.steps.inc()
-        # Publish before handing out tokens: a client that saw its request finish must then
-        # see its pages free in /health.
-        self._publish()
-        out = []
+    def _stepped(self, events: list[Any], items: list[tuple[int, Item]],
+                 counts: dict[str, Any]) -> None:
+        accepted, finished = [], counts.setdefault("finished", Counter())
+        generated = 0
         for ev in events:  # NOTE: aborts apply between steps, so every event's request is owned
-            req = ev.req
+            req, rid = ev.req, ev.req.rid
             if ev.emitted:
-                m.accepted.observe(ev.emitted)
-            m.generated.inc(len(ev.new_ids))
+                accepted.append(ev.emitted)
+            generated += len(ev.new_ids)
             reason = req.finish_reason if ev.finished else None
             if ev.finished:
-                del self._owned[req.rid]
-                m.finished.labels(reason or "stop").inc()
+                del self._owned[rid]
+                finished[reason or "stop"] += 1
             if ev.error is not None:
-                log.error("request %d failed in the engine (%s)", req.rid,
+                log.error("request %d failed in the engine (%s)", rid,
                           "it failed alone" if ev.blamed else "every row of its step failed",
                           exc_info=ev.error)
-                out.append((req.rid, ("error", BLAMED if ev.blamed else UNATTRIBUTED)))
+                items.append((rid, ("error", BLAMED if ev.blamed else UNATTRIBUTED)))
             elif ev.new_ids or ev.finished:
-                out.append((req.rid, ("tokens", list(ev.new_ids), reason, req.text_end,
-                                      ev.logprobs, ev.pieces)))
-        if out:
-            self._to_loop(self._deliver, out)
+                plp = None
+                if req.prompt_logprobs is not None and rid not in self._prompt_sent:
+                    plp = req.prompt_logprobs
+                    self._prompt_sent.add(rid)
+                items.append((rid, ("tokens", list(ev.new_ids), reason, req.text_end,
+                                    ev.logprobs, ev.pieces, plp)))
+            if ev.finished:
+                self._prompt_sent.discard(rid)
+        counts.update(generated=generated, accepted=accepted)
 
     def _fail_all(self, message: str) -> None:
         # NOTE: a request a failed step held may be in neither queue: abort each one by name.
@@ -203,52 +270,241 @@ class Engine:
                     *self.sched.waiting]:
             with contextlib.suppress(Exception):
                 self.sched.abort(req)
-        rids, self._owned = [*self._owned], {}
-        self._publish()
-        self._to_loop(self._fail, rids, message)
+        items = [(rid, ("error", message)) for rid in self._owned]
+        self._owned, self._prompt_sent = {}, set()
+        self._report(items, {})
 
-    def _to_loop(self, fn: Any, *args: Any) -> None:
-        assert self._loop is not None
-        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody is waiting
-            self._loop.call_soon_threadsafe(fn, *args)
+    def _totals(self) -> dict[str, float]:
+        return {"preemptions": self.sched.num_preemptions, **self.llm.timer.totals}
 
-    def _publish(self) -> None:
-        s, m = self.sched, self.metrics
-        self.snapshot = {"running": s.admitted, "waiting": len(s.waiting),
-                         "kv_pages_free": s.alloc.num_free, "kv_pages_total": s.alloc.capacity,
-                         "preemptions": s.num_preemptions}
-        for k in ("running", "kv_pages_free", "kv_pages_total"):
-            getattr(m, k).set(self.snapshot[k])
-        now = {"preemptions": s.num_preemptions, **self.llm.timer.totals}
-        for k, v in now.items():  # counters move by what changed since the last publish
-            (m.preemptions if k == "preemptions" else m.phase_seconds.labels(k)).inc(
-                v - self._seen.get(k, 0))
+    def _snapshot(self) -> dict[str, int]:
+        s = self.sched
+        return {"running": s.admitted, "waiting": len(s.waiting),
+                "kv_pages_free": s.alloc.num_free, "kv_pages_total": s.alloc.capacity,
+                "preemptions": s.num_preemptions}
+
+    def _report(self, items: list[tuple[int, Item]], counts: dict[str, Any]) -> None:
+        """Emits the items, the state after them and the counters' increments since the last
+        report, unless there is nothing new."""
+        snapshot, now = self._snapshot(), self._totals()
+        moved = {k: v - self._seen.get(k, 0) for k, v in now.items() if v != self._seen.get(k, 0)}
         self._seen = now
+        if "preemptions" in moved:
+            counts["preemptions"] = moved.pop("preemptions")
+        if moved:
+            counts["phases"] = moved
+        if items or counts or snapshot != self.snapshot:
+            self.snapshot = snapshot
+            self.emit(Report(items, snapshot, counts))
 
-    # ---- the event loop ------------------------------------------------------------------------
 
-    def _deliver(self, out: list[tuple[int, tuple[Any, ...]]]) -> None:
-        for rid, item in out:
+# ---- the links: where the core runs ------------------------------------------------------------
+
+
+class Link(Protocol):
+    """Where the core runs, as `Engine` sees it."""
+
+    limits: Limits
+    snapshot: dict[str, int]  # the engine's state before its first report
+
+    @property
+    def fatal(self) -> str | None: ...
+
+    def check(self, req: EngineRequest) -> None: ...
+
+    def send(self, cmd: tuple[str, Any]) -> None: ...
+
+    def running(self, deliver: Callable[[Report], None]
+                ) -> contextlib.AbstractAsyncContextManager[None]: ...
+
+
+class Local:
+    """The core on a thread of this process, its reports handed to the event loop."""
+
+    def __init__(self, llm: Any, threads: int | None = None):
+        import torch
+
+        self.llm, self.threads = llm, threads or torch.get_num_threads()
+        self.limits = llm.scheduler.limits
+        self.check = llm.scheduler.check  # the grammar's matcher is made here too
+        self.core = Core(llm, self._emit)
+        self.snapshot = self.core.snapshot
+        self._to_loop: Callable[[Report], None] = lambda _: None
+
+    @property
+    def fatal(self) -> str | None:
+        return self.core.fatal
+
+    def send(self, cmd: tuple[str, Any]) -> None:
+        self.core.post(cmd)
+
+    def _emit(self, report: Report) -> None:
+        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody is waiting
+            self._to_loop(report)
+
+    @contextlib.asynccontextmanager
+    async def running(self, deliver: Callable[[Report], None]) -> AsyncIterator[None]:
+        """Step graphs captured on the core's thread (torch's thread team is that thread's),
+        then the core's loop there."""
+        import torch
+
+        loop = asyncio.get_running_loop()
+        self._to_loop = functools.partial(loop.call_soon_threadsafe, deliver)
+        with ThreadPoolExecutor(1, "engine", torch.set_num_threads, (self.threads,)) as thread:
+            await loop.run_in_executor(thread, functools.partial(self.llm.runner.capture,
+                                                                 lagging=True))
+            done = loop.run_in_executor(thread, self._run)
+            try:
+                yield
+            finally:
+                self.send(("stop", None))
+                await done
+
+    def _run(self) -> None:
+        self.core.run()
+        if self.core.fatal:  # NOTE: the server stops (main exits non-zero)
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+class Remote:
+    """The core in another process (`engine.serve.procs`): commands go down `commands` (a
+    request as its id, prompt and parameters: `wire`), written by a thread of this process so
+    the event loop never waits on the pipe while the core is busy; its reports come up
+    `reports`, read by another, and end with ("end", why it stopped for good, or None)."""
+
+    def __init__(self, commands: Connection, reports: Connection, limits: Limits,
+                 snapshot: dict[str, int]):
+        self.commands, self.reports = commands, reports
+        self.limits, self.snapshot = limits, snapshot
+        self.fatal: str | None = None
+        self._out: queue.SimpleQueue[tuple[str, Any] | None] = queue.SimpleQueue()
+        threading.Thread(target=self._write, name="engine-commands", daemon=True).start()
+
+    def check(self, req: EngineRequest) -> None:
+        self.limits.check(req)  # a grammar is checked where the route builds it
+
+    def send(self, cmd: tuple[str, Any]) -> None:
+        kind, arg = cmd
+        self._out.put((kind, wire(arg)) if kind == "add" else cmd)
+
+    def _write(self) -> None:
+        while (cmd := self._out.get()) is not None:
+            try:
+                self.commands.send(cmd)
+            except OSError:  # the core is gone: the report reader says so
+                return
+
+    @contextlib.asynccontextmanager
+    async def running(self, deliver: Callable[[Report], None]) -> AsyncIterator[None]:
+        loop = asyncio.get_running_loop()
+        stopping = threading.Event()
+
+        def read() -> None:
+            while True:
+                try:
+                    msg = self.reports.recv()
+                except (EOFError, OSError):
+                    msg = ("end", "the engine process is gone")
+                if isinstance(msg, tuple):
+                    self.fatal = msg[1]
+                    break
+                with contextlib.suppress(RuntimeError):
+                    loop.call_soon_threadsafe(deliver, msg)
+            if not stopping.is_set():  # the engine ended on its own: so does the server
+                log.error("the engine stopped: %s", self.fatal or "no reason given")
+                os.kill(os.getpid(), signal.SIGTERM)
+
+        reader = threading.Thread(target=read, name="engine-reports", daemon=True)
+        reader.start()
+        try:
+            yield
+        finally:
+            stopping.set()
+            self.send(("stop", None))
+            self._out.put(None)
+            await loop.run_in_executor(None, reader.join, 60)
+
+
+class Engine:
+    """The HTTP side of the engine: `running` is the app's lifespan; handlers `submit` and
+    `post` aborts; each core report updates the metrics and `snapshot`, then hands each open
+    request its items. By default the core runs on a thread over `llm` (`Local`)."""
+
+    def __init__(self, llm: Any = None, threads: int | None = None, link: Link | None = None):
+        self.link: Link = link if link is not None else Local(llm, threads)
+        self.metrics = Metrics(self.link.limits.step_span)
+        self.snapshot: dict[str, int] = {}  # NOTE: replaced whole, never half-updated
+        self._live: dict[int, Handle] = {}  # requests whose answer is open
+        self._set_snapshot(self.link.snapshot)
+
+    @property
+    def fatal(self) -> str | None:
+        """Why the engine stopped for good (a lost tensor-parallel peer), if it did."""
+        return self.link.fatal
+
+    @contextlib.asynccontextmanager
+    async def running(self) -> AsyncIterator[None]:
+        """The core runs; leaving fails the requests still open."""
+        try:
+            async with self.link.running(self._report):
+                yield
+        finally:
+            self._fail([*self._live], SHUTDOWN)  # never handed over
+
+    def submit(self, h: Handle) -> None:
+        """Queues `h`'s request; raises RequestRejected at once when it can never run."""
+        self.link.check(h.req)
+        self._live[h.req.rid] = h
+        self.metrics.prompt_tokens.inc(len(h.req.prompt_ids))
+        self.link.send(("add", h.req))
+
+    def post(self, kind: str, h: Handle | None) -> None:
+        """`abort` a request (one that ended already needs none), or `stop`, when the engine
+        is next between steps."""
+        if kind != "abort":
+            self.link.send((kind, None))
+        elif h is not None and self._live.pop(h.req.rid, None) is not None:
+            self.link.send(("abort", h.req.rid))  # NOTE: no more tokens for it either way
+
+    def _set_snapshot(self, snapshot: dict[str, int]) -> None:
+        self.snapshot = snapshot
+        for k in ("running", "kv_pages_free", "kv_pages_total"):
+            getattr(self.metrics, k).set(snapshot[k])
+
+    def _report(self, rep: Report) -> None:
+        m, c = self.metrics, rep.counts
+        if "steps" in c:
+            m.steps.inc(c["steps"])
+            m.step_seconds.inc(c["step_seconds"])
+        for n in c.get("accepted", ()):
+            m.accepted.observe(n)
+        if c.get("generated"):
+            m.generated.inc(c["generated"])
+        for reason, n in c.get("finished", {}).items():
+            m.finished.labels(reason).inc(n)
+        if "preemptions" in c:
+            m.preemptions.inc(c["preemptions"])
+        for phase, seconds in c.get("phases", {}).items():
+            m.phase_seconds.labels(phase).inc(seconds)
+        # The state before the tokens: a client that saw its request finish must then see its
+        # pages free in /health.
+        self._set_snapshot(rep.snapshot)
+        for rid, item in rep.items:
             if (h := self._live.get(rid)) is None:
                 continue
             if item[0] == "error":
                 self._fail([rid], item[1])
                 continue
-            kind, new, reason, text_end, logprobs, pieces = item
-            if reason is None and not h.stream:
-                h._held += new
-                h._held_logprobs += logprobs or []
-                h._held_pieces += pieces or []
+            if item[6] is not None:
+                h.req.prompt_logprobs = item[6]
+            if item[2] is None and not h.stream:
+                h._held = item if h._held is None else merge(h._held, item)
                 continue
-            if reason is not None:
+            if item[2] is not None:
                 del self._live[rid]
-            if h._held:
-                new, h._held = h._held + new, []
-                if logprobs is not None:
-                    logprobs, h._held_logprobs = h._held_logprobs + logprobs, []
-                if pieces is not None:
-                    pieces, h._held_pieces = h._held_pieces + pieces, []
-            h.queue.put_nowait((kind, new, reason, text_end, logprobs, pieces))
+            if h._held is not None:
+                item, h._held = merge(h._held, item), None
+            h.queue.put_nowait(item)
 
     def _fail(self, rids: list[int], message: str) -> None:
         for rid in rids:

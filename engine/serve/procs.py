@@ -1,0 +1,159 @@
+"""`python -m engine.serve` in two processes, as vLLM V1 runs: the engine core in this process
+(the model, the scheduler, the step loop; the tensor-parallel leader under torchrun) and the
+HTTP frontend in a child process (uvicorn, the routes, templating, the answers' parsing and
+streaming), linked by two pipes: commands down, one report per step up
+(`engine.serve.worker.Core` and `Remote`). So serving many streams costs the step loop no
+interpreter lock, only the pickling of one report a step.
+
+Start-up: the frontend is spawned first, so its imports overlap the model's loading; it listens
+once the core sends `Ready` (the model's limits, after its step graphs are captured).
+Shutdown: a signal to the core (Ctrl-C, SIGTERM) goes on to the frontend, which closes its
+connections (within 5 s) and then tells the core to stop; the core also stops when the
+frontend's pipe closes however it ended, and the frontend when the core's does. The
+frontend has a process group of its own, so a terminal's Ctrl-C reaches only the core."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import multiprocessing as mp
+import os
+import signal
+import sys
+import threading
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+from engine.config import EngineConfig
+from engine.request import Limits
+from engine.serve.options import ServeConfig
+
+log = logging.getLogger("engine.serve")
+LOG_FORMAT = "%(levelname)s %(name)s: %(message)s"
+
+
+@dataclass
+class Ready:
+    """What the frontend needs of the loaded model before it listens."""
+
+    name: str
+    limits: Limits
+    snapshot: dict[str, int]
+
+
+def frontend(cfg: ServeConfig, model_dir: Path, commands: Connection, reports: Connection
+             ) -> None:
+    """The child process: loads `model_dir`'s tokenizer, waits for `Ready`, then serves HTTP
+    until a signal or the core's end."""
+    os.setpgrp()
+    logging.basicConfig(level=cfg.log_level.upper(), format=LOG_FORMAT)
+    import uvicorn
+
+    from engine.grammar import Grammars
+    from engine.serve.app import build_app, uvicorn_options
+    from engine.serve.worker import Engine, ModelInfo, Remote
+    from engine.tokenizer import Tokenizer
+
+    tok = (Tokenizer.from_dir(model_dir) if (model_dir / "tiktoken.model").is_file()
+           else None)
+    try:
+        ready = reports.recv()
+    except EOFError:
+        return
+    if not isinstance(ready, Ready):  # the core could not start (it says why)
+        return
+    lim = ready.limits
+    model = ModelInfo(tok, lim.max_model_len, lim.vocab_size,
+                      Grammars(tok, lim.vocab_size) if tok else None)
+    engine = Engine(link=Remote(commands, reports, lim, ready.snapshot))
+    app = build_app(None, ready.name, cfg.max_queue, config=cfg, model=model, engine=engine)
+    log.info("serving %r on http://%s:%d (max_model_len %d, %d KV pages)", ready.name, cfg.host,
+             cfg.port, lim.max_model_len, lim.capacity)
+    # A bounded graceful shutdown: open streams must not keep the process alive.
+    uvicorn.run(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level,
+                timeout_graceful_shutdown=5, **uvicorn_options(cfg))
+
+
+def serve(engine_cfg: EngineConfig, cfg: ServeConfig, threads: int) -> None:
+    """The core's side: spawns the frontend, loads the model, serves it until the frontend
+    ends; exits non-zero when the engine stopped for good or the frontend failed."""
+    import torch
+
+    from engine.dist import PeerLost
+    from engine.llm import LLM, compile_auto, model_pair
+    from engine.serve.worker import Core, unwire
+
+    ctx = mp.get_context("spawn")
+    cmd_out, cmd_in = ctx.Pipe(duplex=False)  # (receiving end, sending end)
+    rep_out, rep_in = ctx.Pipe(duplex=False)
+    front = ctx.Process(target=frontend, name="engine.serve-http",
+                        args=(cfg, model_pair(engine_cfg.model, None)[0], cmd_in, rep_out))
+    front.start()
+    cmd_in.close()
+    rep_out.close()
+
+    def end(why: str | None) -> None:
+        with contextlib.suppress(OSError):
+            rep_in.send(("end", why))
+
+    try:
+        # A server answers within seconds of its start: `--compile auto` leaves its steps
+        # eager, and `--compile on` compiles them before it listens (from a cold cache, long).
+        torch.set_num_threads(threads)
+        llm = LLM(config=compile_auto(engine_cfg, False), warm_up=False)
+        llm.runner.capture(lagging=True)
+    except BaseException:
+        end("the engine did not start")
+        _reap(front)
+        raise
+    core = Core(llm, rep_in.send)
+    signals = {"n": 0}
+
+    def on_signal(signum: int, _: Any) -> None:
+        signals["n"] += 1
+        if signals["n"] == 1 and front.is_alive():
+            front.terminate()  # it closes its connections, then stops the core
+        else:
+            core.post(("stop", None))
+
+    for s in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(s, on_signal)
+
+    def commands() -> None:
+        while True:
+            try:
+                cmd = cmd_out.recv()
+            except (EOFError, OSError):  # the frontend is gone
+                cmd = ("stop", None)
+            if cmd[0] == "add":
+                cmd = ("add", unwire(cmd[1]))
+            core.post(cmd)
+            if cmd[0] == "stop":
+                return
+
+    name = cfg.served_model_name or llm.model_dir.resolve().name
+    rep_in.send(Ready(name, llm.scheduler.limits, core.snapshot))
+    threading.Thread(target=commands, name="engine-commands", daemon=True).start()
+    try:
+        core.run()
+    finally:
+        end(core.fatal)
+        _reap(front)
+        try:
+            llm.close()
+        except PeerLost as e:
+            core.fatal = core.fatal or str(e)
+    if core.fatal:
+        sys.exit(f"error: stopped: {core.fatal}")
+    if front.exitcode not in (0, -signal.SIGTERM):  # uvicorn raises the signal it ended on
+        sys.exit(f"error: the HTTP server exited with status {front.exitcode}")
+
+
+def _reap(front: Any) -> None:
+    """Waits for the frontend to end (its graceful shutdown takes at most 5 s), then ends it."""
+    front.join(15)
+    if front.is_alive():
+        front.kill()
+        front.join(5)
