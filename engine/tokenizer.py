@@ -494,34 +494,44 @@ class TextStream:
     tokens waits for the rest, and with `stop` strings the last (longest stop - 1) characters wait
     until later ids show they do not start one, so no text past a stop ever leaves. `end` gives
     the rest: the pieces add up to one decode of every id, cut at `text_end` (where a stop string
-    matched), exactly the text a non-streamed answer has. `text` is everything decoded so far,
-    `sent` how much of it has left."""
+    matched), exactly the text a non-streamed answer has. `sent` is how much of the text has
+    left; only the rest is kept, so each call's work follows what is new, not the text's length
+    (`length` is the whole text's, offsets count from its start)."""
 
     def __init__(self, tokenizer: Tokenizer, stop: Sequence[str] = (),
                  skip_special_tokens: bool = True) -> None:
         self._dec = tokenizer.stream_decoder(skip_special_tokens)
         self._hold = max(map(len, stop), default=1) - 1
-        self.text, self.sent = "", 0
+        self._rest, self.sent = "", 0  # the text past `sent`
+
+    @property
+    def length(self) -> int:
+        return self.sent + len(self._rest)
 
     def add(self, ids: Sequence[int]) -> None:
         """Decodes `ids` without releasing anything."""
-        self.text += self._dec.push(ids)
+        self._rest += self._dec.push(ids)
+
+    def append(self, text: str) -> None:
+        """Text the caller decoded (`IncrementalDecoder.pieces`), without releasing anything."""
+        self._rest += text
 
     def push(self, ids: Sequence[int] = ()) -> str:
         """The text that became final with `ids`."""
         self.add(ids)
-        return self._release(len(self.text) - self._hold)
+        return self._release(self.length - self._hold)
 
     def end(self, ids: Sequence[int] = (), text_end: int | None = None,
             decoded: bool = False) -> str:
         """The rest of the text, the ids ending with `ids` (with `decoded`, the caller has
-        added their text, and what a split character left, to `text` itself)."""
+        added their text, and what a split character left, with `append`)."""
         if not decoded:
-            self.text += self._dec.push(ids) + self._dec.flush()
-        return self._release(len(self.text) if text_end is None else text_end)
+            self._rest += self._dec.push(ids) + self._dec.flush()
+        return self._release(self.length if text_end is None else text_end)
 
     def _release(self, cut: int) -> str:
-        piece = self.text[self.sent : max(cut, self.sent)]
+        n = max(cut - self.sent, 0)
+        piece, self._rest = self._rest[:n], self._rest[n:]
         self.sent += len(piece)
         return piece
 

@@ -661,31 +661,34 @@ class OutputStream:
     def _take(self, ids: Sequence[int], pieces: Sequence[str] | None) -> None:
         """`ids`' text (their `pieces`, or decoded here, each run between marker ids at once),
         noting where the markers came."""
+        text = self._text
         if pieces is not None:
+            start = 0
             for k, t in enumerate(ids):
                 if t in self._markers:
-                    self._at.append((len(self._text.text), self._markers[t]))
-                self._text.text += pieces[k]
-            self._text.text += "".join(pieces[len(ids):])
+                    text.append("".join(pieces[start:k]))
+                    self._at.append((text.length, self._markers[t]))
+                    start = k
+            text.append("".join(pieces[start:]))  # with what a split character left, if any
             return
         start = 0
         for k, t in enumerate(ids):
             if t in self._markers:
-                self._text.add(ids[start:k])
-                self._at.append((len(self._text.text), self._markers[t]))
+                text.add(ids[start:k])
+                self._at.append((text.length, self._markers[t]))
                 start = k + 1
-        self._text.add(ids[start:])
+        text.add(ids[start:])
 
     def _release(self, piece: str, final: bool) -> OutputDelta:
         """Parses the text just released (`piece`, ending at `sent`) with the markers up to its
         end in place."""
-        text, sent = self._text.text, self._text.sent
-        pieces, pos = [], sent - len(piece)
-        while self._at and self._at[0][0] <= sent:
+        begin = self._text.sent - len(piece)  # where `piece` starts in the whole text
+        parts, pos = [], 0
+        while self._at and self._at[0][0] <= self._text.sent:
             at, name = self._at.pop(0)
-            pieces += [text[pos:at], name]
-            pos = at
-        d = self._parser.feed("".join(pieces) + text[pos:sent])
+            parts += [piece[pos:at - begin], name]
+            pos = at - begin
+        d = self._parser.feed("".join(parts) + piece[pos:])
         if final:
             d += self._parser.finish()
         calls = tuple(self._renumber(d.tool_calls))

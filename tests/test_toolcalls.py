@@ -862,3 +862,20 @@ def test_output_stream_names_calls_from_the_request_tools(tok: Tokenizer) -> Non
     out = OutputStream(tok, tools=True)  # without the request's tools nothing names them
     _run(out, ids, [])
     assert out.result() == ParsedOutput(None, "ok", [])
+
+
+def test_text_stream_keeps_only_what_has_not_left() -> None:
+    """A long answer's stream keeps only the text it holds back (for a stop string), not the
+    whole text, and its pieces still add up to one decode cut at the stop."""
+    tok = _tokenizer()
+    ids = tok.encode("ab\nc" * 3000 + "STOP")  # the last step completes the stop string
+    text = tok.decode(ids, True)
+    chunks = [ids[i:i + 4] for i in range(0, len(ids), 4)]
+    stream = TextStream(tok, ["STOP"])
+    out, held = [], 0
+    for c in chunks[:-1]:
+        out.append(stream.push(c))
+        held = max(held, len(stream._rest))
+    out.append(stream.end(chunks[-1], text.find("STOP")))
+    assert held <= 3  # the characters a stop string may still begin in, no more
+    assert "".join(out) == text[:text.find("STOP")] and stream.length == len(text)
