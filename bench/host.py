@@ -2,6 +2,7 @@
 
     python -m bench.host [--batch-sizes 1,8,64] [--contexts 768,32768] [--emit 4]
                          [--steps 40] [--rounds 3] [--json F] [--report]
+                         [--streaming N [--stream-tokens 64] [--server-args "..."]]
 
 On a GPU a whole speculative step is one graph replay of a few milliseconds; everything the
 host does around it adds to that. This runs the real scheduler (`engine.scheduler.Scheduler`,
@@ -26,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import shlex
 import statistics
 import time
 from pathlib import Path
@@ -133,12 +135,14 @@ def serve_load(url: str, clients: int, tokens: int, stream: bool) -> dict[str, f
     return {"step_ms": 1e3 * (s1 - s0) / max(n1 - n0, 1), "tokens_per_s": clients * tokens / dt}
 
 
-def streaming(clients: int, tokens: int, rounds: int, out: Path) -> dict[str, Any]:
-    """`serve_load` streamed and not, in turns, on one server of the bundled pair."""
+def streaming(clients: int, tokens: int, rounds: int, out: Path, args: list[str]
+              ) -> dict[str, Any]:
+    """`serve_load` streamed and not, in turns, on one server of the bundled pair (given
+    `args` too)."""
     from bench.serve import Server
 
     server = Server("host", ["--max-batch-size", str(clients), "--compile", "off",
-                             "--log-level", "warning"], out / "host-server.log")
+                             "--log-level", "warning", *args], out / "host-server.log")
     try:
         server.wait_healthy(300)
         serve_load(server.url, clients, 8, False)  # warm-up
@@ -172,6 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--streaming", type=int, default=0, metavar="N",
                     help="also serve N streaming clients against N whole-answer ones")
     ap.add_argument("--stream-tokens", type=int, default=64, help="tokens each client asks")
+    ap.add_argument("--server-args", default="", help="more flags for the server, quoted")
     ap.add_argument("--json", type=Path, help="write the rows here too")
     ap.add_argument("--out", default=DEFAULT_OUT)
     ap.add_argument("--report", action="store_true", help="also write bench/reports/host.md")
@@ -197,8 +202,9 @@ def main(argv: list[str] | None = None) -> int:
                                "rounds": a.rounds}
     if a.streaming:
         st = payload["streaming"] = streaming(a.streaming, a.stream_tokens, a.rounds,
-                                              Path(a.out))
-        text += (f"\n\n{st['clients']} clients x {st['tokens']} tokens, {a.rounds} rounds: "
+                                              Path(a.out), shlex.split(a.server_args))
+        text += (f"\n\n{st['clients']} clients x {st['tokens']} tokens, {a.rounds} rounds"
+                 f"{', server ' + a.server_args if a.server_args else ''}: "
                  f"engine step {st['step_ms_streamed']:.1f} ms streamed, "
                  f"{st['step_ms_not_streamed']:.1f} ms not (each round's ratio, median: "
                  f"{st['step_ratio']:.3f}x); {st['tokens_per_s_streamed']:.0f} tokens/s "

@@ -20,6 +20,7 @@ from typing import Any
 
 import httpx
 import pytest
+import torch
 
 openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
@@ -688,6 +689,24 @@ def test_a_slow_reader_gets_the_queued_steps_merged() -> None:
     lp = merge(("tokens", [1], None, None, ["a"], ["x"], ["p"]),
                ("tokens", [2], "stop", 5, ["b"], ["y"], None))
     assert lp == ("tokens", [1, 2], "stop", 5, ["a", "b"], ["x", "y"], ["p"])
+
+
+def test_the_engine_leaves_cores_to_the_http_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On the CPU the engine's torch threads leave `--reserve-cpus` cores to the HTTP process,
+    never fewer than one thread; on CUDA, or with 0, it keeps what it was given."""
+    from engine.config import EngineConfig
+    from engine.serve.options import ServeConfig
+    from engine.serve.procs import engine_threads
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _: set(range(8)), raising=False)
+    cpu = EngineConfig(device="cpu")
+    assert engine_threads(cpu, ServeConfig(), 8) == 7
+    assert engine_threads(cpu, ServeConfig(reserve_cpus=3), 8) == 5
+    assert engine_threads(cpu, ServeConfig(reserve_cpus=3), 2) == 2  # already few enough
+    assert engine_threads(cpu, ServeConfig(reserve_cpus=8), 8) == 1
+    assert engine_threads(cpu, ServeConfig(reserve_cpus=0), 8) == 8
+    monkeypatch.setattr("engine.llm.resolve_device", lambda _: (torch.device("cuda"), None))
+    assert engine_threads(EngineConfig(device="cuda"), ServeConfig(), 8) == 8
 
 
 def _frontend(pid: int) -> int:

@@ -36,4 +36,8 @@ class ServeConfig:
         1024, description="connections (or requests) at once before 503 (uvicorn's)")
     max_body_bytes: Annotated[int, Field(ge=1024)] = Field(
         16 << 20, description="largest request body accepted before 413")
+    reserve_cpus: Annotated[int, Field(ge=0)] = Field(
+        1, description="CPU cores left to the HTTP process when the engine runs on the CPU "
+                       "(torch's threads take the rest, at least one; 0: every core, the most "
+                       "tokens/s when few answers stream)")
 

@@ -99,6 +99,7 @@ def serve(engine_cfg: EngineConfig, cfg: ServeConfig, threads: int) -> None:
             rep_in.send(("end", why))
 
     try:
+        threads = engine_threads(engine_cfg, cfg, threads)
         # A server answers within seconds of its start: `--compile auto` leaves its steps
         # eager, and `--compile on` compiles them before it listens (from a cold cache, long).
         torch.set_num_threads(threads)
@@ -149,6 +150,23 @@ def serve(engine_cfg: EngineConfig, cfg: ServeConfig, threads: int) -> None:
         sys.exit(f"error: stopped: {core.fatal}")
     if front.exitcode not in (0, -signal.SIGTERM):  # uvicorn raises the signal it ended on
         sys.exit(f"error: the HTTP server exited with status {front.exitcode}")
+
+
+def engine_threads(engine_cfg: EngineConfig, cfg: ServeConfig, threads: int) -> int:
+    """The engine's torch threads: on the CPU, `threads` less what leaves `--reserve-cpus` of
+    the process's cores to the HTTP process, at least one (as vLLM's CPU backend reserves a
+    core for its own processes). A parallel step waits for its slowest thread: HTTP work on a
+    core the step's threads use stalls the whole step."""
+    from engine.llm import resolve_device
+
+    if resolve_device(engine_cfg)[0].type != "cpu" or not cfg.reserve_cpus:
+        return threads
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (
+        os.cpu_count() or 1)
+    n = max(1, min(threads, cores - cfg.reserve_cpus))
+    log.info("engine: %d torch thread(s); %d of %d cores left to the HTTP process "
+             "(--reserve-cpus)", n, cores - n, cores)
+    return n
 
 
 def _reap(front: Any) -> None:
