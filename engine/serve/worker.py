@@ -100,7 +100,7 @@ class ModelInfo:
 @dataclass
 class Handle:
     """One HTTP request's link to the engine. `queue` receives the request's report items
-    (`Report.items`; its tokens' `logprobs` are `engine.runner.Logprob`s, None unless it asks;
+    (`Report.items`; its tokens' `logprobs` are `engine.config.Logprob`s, None unless it asks;
     `pieces` their text as the engine decoded it, `engine.scheduler.StepEvent.pieces`)."""
 
     req: EngineRequest
