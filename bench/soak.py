@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import random
 import shlex
@@ -47,10 +48,17 @@ MAX_RSS_GROWTH_MIB = 50  # the most the server's memory may grow, from healthy t
 
 
 def rss_kib(pid: int) -> int:
+    """The resident memory of process `pid` and its descendants (the server's HTTP process is
+    the engine's child)."""
+    total = 0
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmRSS:"):
-            return int(line.split()[1])
-    return 0
+            total = int(line.split()[1])
+    kids = Path(f"/proc/{pid}/task/{pid}/children")
+    for kid in kids.read_text().split() if kids.exists() else ():
+        with contextlib.suppress(OSError):  # gone meanwhile
+            total += rss_kib(int(kid))
+    return total
 
 
 async def raw(url: str, data: bytes, read: bool, wait: float) -> int:
