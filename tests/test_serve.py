@@ -265,7 +265,7 @@ def test_models_health_metrics(server: ServerProc, client: openai.OpenAI) -> Non
     assert m["kimi_kv_pages_free"] == server.initial_free
 
 
-def test_greedy_matches_offline(server: ServerProc, client: openai.OpenAI,
+def test_server_matches_offline(server: ServerProc, client: openai.OpenAI,
                                 offline_llm: LLM) -> None:
     prompts: list[Any] = ["The quick brown fox", _ids(1, 40)]
     msgs = [{"role": "user", "content": "Say something."}]
@@ -283,6 +283,14 @@ def test_greedy_matches_offline(server: ServerProc, client: openai.OpenAI,
     assert r.choices[0].message.content == off.text
     assert r.choices[0].message.role == "assistant"
     assert r.usage.prompt_tokens == len(off.prompt_token_ids)
+    # seeded sampling too: a request's coins are its seed's wherever it runs
+    seeded = SamplingParams(max_new_tokens=16, temperature=0.9, top_p=0.9, seed=11,
+                            ignore_eos=True)
+    off = offline_llm.generate([prompts[1]], seeded)[0]
+    r = client.completions.create(model="tiny", prompt=prompts[1], max_tokens=16,
+                                  temperature=0.9, top_p=0.9, seed=11,
+                                  extra_body={"ignore_eos": True})
+    assert r.choices[0].text == off.text and r.usage.completion_tokens == 16
 
 
 def _collect(stream: Any, piece: Callable[[Any], str]) -> tuple[str, str | None, Any]:
