@@ -260,3 +260,43 @@ def test_bench_host_times_the_real_scheduler_around_a_noop_step(tmp_path: Path) 
     sched, reqs = host.setup(host.LLM(progress=False, kv_pages=2, compile="off"), 2, 40, 4, True)
     sched.step()
     assert all(len(r.output_ids) == 1 + 4 and r.cache_len == 44 for r in reqs)
+
+
+def test_bench_host_streaming_pairs_each_round(monkeypatch: pytest.MonkeyPatch,
+                                               tmp_path: Path) -> None:
+    """`--streaming`: each round runs streamed and whole back to back (their order alternating)
+    on one server given `--server-args`, and the ratios are the medians of each round's."""
+    from bench import host
+
+    started: list[list[str]] = []
+
+    class FakeServer:
+        url = "http://fake"
+
+        def __init__(self, name: str, args: list[str], log: Path):
+            started.append(args)
+
+        def wait_healthy(self, timeout: float) -> None:
+            pass
+
+        def stop(self) -> None:
+            pass
+
+    calls: list[bool] = []
+    # per round: (whole step ms, streamed step ms); the machine drifts from round to round
+    steps = iter([10.0, 40.0, 44.0, 20.0, 21.0, 80.0, 80.0])  # warm-up, then rounds 1-3
+
+    def load(url: str, clients: int, tokens: int, stream: bool) -> dict[str, float]:
+        calls.append(stream)
+        ms = next(steps)
+        return {"step_ms": ms, "tokens_per_s": 1000 / ms}
+
+    monkeypatch.setattr("bench.serve.Server", FakeServer)
+    monkeypatch.setattr(host, "serve_load", load)
+    st = host.streaming(4, 8, 3, tmp_path, ["--reserve-cpus", "0"])
+    assert started[0][-2:] == ["--reserve-cpus", "0"]
+    assert calls == [False, False, True, True, False, False, True]
+    # rounds: (whole 40, streamed 44), (whole 21, streamed 20), (whole 80, streamed 80)
+    assert st["step_ratio"] == pytest.approx(1.0)
+    assert st["throughput_ratio"] == pytest.approx(1.0)
+    assert st["step_ms_streamed"] == 44.0 and st["step_ms_not_streamed"] == 40.0
