@@ -43,7 +43,7 @@ from engine.spec import (
     prompt_logprobs,
     spec_step,
 )
-from ops.logits import MIN_LOGPROB, mask_
+from ops.logits import MIN_LOGPROB, add_bias_, mask_, token_logprobs
 from ops.sampling import TOPK_BOUND, row_promises, sample_from_probs, target_probs
 
 # A step is "greedy" (no row samples), "sampled" (most rows sample: the sampled budget) or
@@ -418,15 +418,14 @@ class StepGraphRunner:
         drawn = {i: self._adjusted(row, inps[i]) for i, row in rows.items()}
         firsts = [self._draw(logits, inps[i].params, inps[i].coin)
                   for i, (logits, _) in drawn.items()]
-        for (i, (_, raw)), token in zip(drawn.items(),
-                                        self.read(torch.cat(firsts)) if firsts else []):
+        tokens = self.read(torch.cat(firsts)) if firsts else []
+        for (i, (_, raw)), first, token in zip(drawn.items(), firsts, tokens):
             out[i] = token
             k = inps[i].params.logprobs
             if k is not None:
-                lp = torch.log_softmax(raw, -1)
-                top = lp.topk(min(k, lp.shape[-1]))
-                self.last_logprobs[i] = [_logprob(token, float(lp[token]), top.values.tolist(),
-                                                  top.indices.tolist(), k)]
+                lp, vals, ids = token_logprobs(raw[None], first, min(k, raw.shape[-1]))
+                self.last_logprobs[i] = [_logprob(token, float(lp[0]), vals[0].tolist(),
+                                                  ids[0].tolist(), k)]
         return out
 
     def read(self, t: Tensor) -> list[Any]:
@@ -449,7 +448,8 @@ class StepGraphRunner:
         raw = logits.clone() if p.logprobs is not None and p.logit_bias else logits
         if p.logit_bias:
             ids, values = zip(*p.logit_bias)
-            logits.index_add_(0, torch.tensor(ids, device=dev), torch.tensor(values, device=dev))
+            add_bias_(logits[None, None], torch.tensor([ids], device=dev),
+                      torch.tensor([values], device=dev))
         return logits, raw
 
     @staticmethod

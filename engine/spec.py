@@ -29,7 +29,7 @@ from engine.dist import Group
 from engine.kv_cache import DUMMY_PAGE, KVPool
 from engine.models.dflash import DFlashDrafter
 from engine.models.kimi import KimiForCausalLM
-from ops.logits import add_bias_, emitted_logprobs, mask_
+from ops.logits import add_bias_, emitted_logprobs, mask_, token_logprobs
 from ops.sampling import argmax, race_logits, sample_from_probs, target_probs
 from ops.tree import DDTree, build_ddtree, build_ddtree_host, chain_tree
 from ops.verify import Decision, tree_greedy, tree_greedy_host
@@ -550,11 +550,10 @@ def prompt_logprobs(models: Models, pool: KVPool, tokens: Sequence[int], pages: 
         x = prefill_chunk(models, pool, piece, a, pages, expert_pass, write_target=False,
                           feed=False, logits="all")
         assert x is not None  # [m, V]: position a + i predicts tokens[a + i + 1]
-        lse = torch.logsumexp(x, -1, keepdim=True)
-        nxt = torch.tensor(list(tokens[a + 1:a + m + 1]), device=dev)[:, None]
-        token_lp.append((x.gather(1, nxt) - lse)[:, 0])
-        vals, ids = x.topk(top, dim=-1)
-        top_lp.append(vals - lse)
+        lp, vals, ids = token_logprobs(x, torch.tensor(list(tokens[a + 1:a + m + 1]),
+                                                       device=dev), top)
+        token_lp.append(lp)
+        top_lp.append(vals)
         top_ids.append(ids)
     if not token_lp:  # a one-token context: nothing to score
         z = torch.zeros(0, top, device=dev)

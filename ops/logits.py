@@ -44,6 +44,15 @@ def mask_(logits: Tensor, bitmask: Tensor) -> Tensor:
     return logits.masked_fill_(~allowed_tokens(bitmask, logits.shape[-1]), float("-inf"))
 
 
+def token_logprobs(x: Tensor, tokens: Tensor, top: int) -> tuple[Tensor, Tensor, Tensor]:
+    """The log-softmax of `x [n, V]` at `tokens [n]` (negative entries: any token, the result
+    unused) and at the `top` most likely tokens: `[n]`, `[n, top]` and their ids `[n, top]`
+    (int64), most likely first."""
+    lse = torch.logsumexp(x, -1, keepdim=True)
+    vals, ids = x.topk(top, dim=-1)
+    return (x.gather(1, tokens[:, None].clamp(min=0)) - lse)[:, 0], vals - lse, ids
+
+
 def emitted_logprobs(logits: Tensor, nodes: Tensor, tokens: Tensor, top: int,
                      bias_ids: Tensor | None = None, bias_values: Tensor | None = None
                      ) -> tuple[Tensor, Tensor, Tensor]:
@@ -61,9 +70,8 @@ def emitted_logprobs(logits: Tensor, nodes: Tensor, tokens: Tensor, top: int,
         x = logits[rows, nodes[:, j].clamp(min=0)]  # [bs, V], a copy
         if bias_ids is not None and bias_values is not None:
             x.scatter_add_(1, bias_ids, -bias_values.to(x.dtype))
-        lse = torch.logsumexp(x, -1, keepdim=True)
-        token_lp.append(x.gather(1, tokens[:, j, None].clamp(min=0)) - lse)
-        vals, ids = x.topk(top, dim=-1)
-        top_lp.append(vals - lse)
+        lp, vals, ids = token_logprobs(x, tokens[:, j], top)
+        token_lp.append(lp)
+        top_lp.append(vals)
         top_ids.append(ids)
-    return (torch.cat(token_lp, 1), torch.stack(top_lp, 1), torch.stack(top_ids, 1))
+    return (torch.stack(token_lp, 1), torch.stack(top_lp, 1), torch.stack(top_ids, 1))
