@@ -293,6 +293,24 @@ def test_server_matches_offline(server: ServerProc, client: openai.OpenAI,
     assert r.choices[0].text == off.text and r.usage.completion_tokens == 16
 
 
+def test_echoed_prompt_logprobs_cross_to_the_http_process(server: ServerProc) -> None:
+    """The prompt's log-probabilities, computed in the engine's process, reach the echoed
+    answer in the HTTP process, whole and streamed (once, with the first tokens)."""
+    body = {"prompt": _ids(5, 6), "max_tokens": 3, "temperature": 0, "echo": True,
+            "logprobs": 1, "ignore_eos": True}
+    lp = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60).json()[
+        "choices"][0]["logprobs"]["token_logprobs"]
+    assert len(lp) == 6 + 3 and lp[0] is None and None not in lp[1:]
+    streamed: list[Any] = []
+    with httpx.stream("POST", f"{server.url}/v1/completions", json={**body, "stream": True},
+                      timeout=60) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                ch = json.loads(line[6:])["choices"][0]
+                streamed += (ch["logprobs"] or {}).get("token_logprobs") or []
+    assert streamed == lp
+
+
 def _collect(stream: Any, piece: Callable[[Any], str]) -> tuple[str, str | None, Any]:
     """Text (each choice's `piece`), last finish reason and usage of a streamed response."""
     text, reason, usage = "", None, None

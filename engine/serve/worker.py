@@ -179,7 +179,6 @@ class Core:
         self._todo: deque[tuple[str, Any]] = deque()
         self._wake = threading.Event()
         self._owned: dict[int, EngineRequest] = {}  # the requests it runs, by id
-        self._prompt_sent: set[int] = set()  # ids whose prompt log-probabilities were sent
         self._seen: dict[str, float] = self._totals()  # counters' values at the last report
         self.snapshot = self._snapshot()
 
@@ -230,7 +229,6 @@ class Core:
             self._owned[arg.rid] = arg
         elif kind == "abort" and (req := self._owned.pop(arg, None)) is not None:
             self.sched.abort(req)  # a request still running; a finished one is gone already
-            self._prompt_sent.discard(arg)
             counts.setdefault("finished", Counter())["abort"] += 1
         elif kind not in ("add", "abort"):
             raise ValueError(f"unknown engine command {kind!r}")
@@ -254,14 +252,11 @@ class Core:
                           exc_info=ev.error)
                 items.append((rid, ("error", BLAMED if ev.blamed else UNATTRIBUTED)))
             elif ev.new_ids or ev.finished:
-                plp = None
-                if req.prompt_logprobs is not None and rid not in self._prompt_sent:
-                    plp = req.prompt_logprobs
-                    self._prompt_sent.add(rid)
+                # the prompt's log-probabilities come with its prefill's event (its first
+                # tokens; a recomputed prompt's prefill makes none)
                 items.append((rid, ("tokens", list(ev.new_ids), reason, req.text_end,
-                                    ev.logprobs, ev.pieces, plp)))
-            if ev.finished:
-                self._prompt_sent.discard(rid)
+                                    ev.logprobs, ev.pieces,
+                                    req.prompt_logprobs if ev.emitted == 0 else None)))
         counts.update(generated=generated, accepted=accepted)
 
     def _fail_all(self, message: str) -> None:
@@ -271,7 +266,7 @@ class Core:
             with contextlib.suppress(Exception):
                 self.sched.abort(req)
         items = [(rid, ("error", message)) for rid in self._owned]
-        self._owned, self._prompt_sent = {}, set()
+        self._owned = {}
         self._report(items, {})
 
     def _totals(self) -> dict[str, float]:
