@@ -712,8 +712,8 @@ def test_a_slow_reader_gets_the_queued_steps_merged() -> None:
     merged_, error, last = asyncio.run(run())
     assert merged_ == ("tokens", [1, 2, 3], None, None, None, ["1", "2", "3"], None)
     assert error == ("error", "boom") and last == item([4], "stop")
-    lp = merge(("tokens", [1], None, None, ["a"], ["x"], ["p"]),
-               ("tokens", [2], "stop", 5, ["b"], ["y"], None))
+    lp = merge([("tokens", [1], None, None, ["a"], ["x"], ["p"]),
+                ("tokens", [2], "stop", 5, ["b"], ["y"], None)])
     assert lp == ("tokens", [1, 2], "stop", 5, ["a", "b"], ["x", "y"], ["p"])
 
 

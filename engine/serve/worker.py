@@ -110,7 +110,7 @@ class Handle:
     queue: asyncio.Queue[Item] = field(default_factory=asyncio.Queue)
     closed: bool = False
     _checked: float = 0.0
-    _held: Item | None = None  # tokens not yet queued (not `stream`)
+    _held: list[Item] = field(default_factory=list)  # items not yet queued (not `stream`)
     _pending: Item | None = None  # taken from the queue, not yet handed out
 
     async def next(self, http: Request) -> Item:
@@ -130,13 +130,14 @@ class Handle:
                 if self._pending is None:
                     continue
             item, self._pending = self._pending or self.queue.get_nowait(), None
+            items = [item]
             while item[0] == "tokens" and item[2] is None and not self.queue.empty():
-                nxt = self.queue.get_nowait()
-                if nxt[0] != "tokens":
-                    self._pending = nxt  # an error: handed out next
+                item = self.queue.get_nowait()
+                if item[0] != "tokens":
+                    self._pending = item  # an error: handed out next
                     break
-                item = merge(item, nxt)
-            return item
+                items.append(item)
+            return merge(items)
 
 
 def wire(req: EngineRequest) -> tuple[int, list[int], SamplingParams]:
@@ -149,14 +150,17 @@ def unwire(w: tuple[int, list[int], SamplingParams]) -> EngineRequest:
     return EngineRequest(*w)
 
 
-def merge(a: Item, b: Item) -> Item:
-    """Two tokens items of one request as one: `b`'s tokens after `a`'s."""
-    _, ids, _, _, lps, pieces, plp = a
-    _, ids2, reason, text_end, lps2, pieces2, plp2 = b
-    return ("tokens", ids + ids2, reason, text_end,
-            None if lps is None and lps2 is None else (lps or []) + (lps2 or []),
-            None if pieces is None and pieces2 is None else (pieces or []) + (pieces2 or []),
-            plp if plp is not None else plp2)
+def merge(items: list[Item]) -> Item:
+    """Tokens items of one request, in order, as one (the last one's finish)."""
+    if len(items) == 1:
+        return items[0]
+
+    def joined(k: int) -> list[Any] | None:
+        parts = [x[k] for x in items if x[k] is not None]
+        return [v for part in parts for v in part] if parts else None
+
+    plp = next((x[6] for x in items if x[6] is not None), None)
+    return ("tokens", joined(1), items[-1][2], items[-1][3], joined(4), joined(5), plp)
 
 
 # ---- the core: the scheduler's thread ------------------------------------------------------------
@@ -493,12 +497,12 @@ class Engine:
             if item[6] is not None:
                 h.req.prompt_logprobs = item[6]
             if item[2] is None and not h.stream:
-                h._held = item if h._held is None else merge(h._held, item)
+                h._held.append(item)  # NOTE: merged once, with the last
                 continue
             if item[2] is not None:
                 del self._live[rid]
-            if h._held is not None:
-                item, h._held = merge(h._held, item), None
+            if h._held:
+                item, h._held = merge([*h._held, item]), []
             h.queue.put_nowait(item)
 
     def _fail(self, rids: list[int], message: str) -> None:
