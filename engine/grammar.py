@@ -22,22 +22,24 @@ from __future__ import annotations
 import json
 import re
 import threading
+from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
 from engine.tokenizer import Tokenizer
+from engine.toolcalls import (
+    ARGUMENT_BEGIN,
+    CALL_BEGIN,
+    CALL_END,
+    SECTION_BEGIN,
+    SECTION_END,
+    THINK_END,
+)
 
 # How the built grammars write JSON (llguidance's JSON options): as json.dumps does.
 JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
-# Kimi's tool-call markup (engine.toolcalls) and a thinking model's reasoning end.
-SECTION_BEGIN = "<|tool_calls_section_begin|>"
-SECTION_END = "<|tool_calls_section_end|>"
-CALL_BEGIN = "<|tool_call_begin|>"
-ARGUMENT_BEGIN = "<|tool_call_argument_begin|>"
-CALL_END = "<|tool_call_end|>"
-THINK_END = "</think>"
 
 
 class GrammarError(ValueError):
@@ -57,12 +59,16 @@ def _llguidance() -> Any:
 class Grammars:
     """Matchers for one tokenizer, over a model vocabulary of `vocab_size` ids (ids past the
     tokenizer's are never allowed). The end tokens are the tokenizer's stop ids. llguidance's
-    view of the vocabulary is built on first use (about a second for Kimi's), once."""
+    view of the vocabulary is built on first use (about a second for Kimi's), once; each
+    grammar compiles once (the last `CACHED` are kept), its matchers are copies of that one."""
+
+    CACHED = 64
 
     def __init__(self, tokenizer: Tokenizer, vocab_size: int):
         self.tok, self.vocab_size = tokenizer, vocab_size
         self._ll: Any = None
         self._lock = threading.Lock()
+        self._compiled: OrderedDict[str, Matcher] = OrderedDict()  # grammar -> its start
 
     @property
     def words(self) -> int:
@@ -79,19 +85,34 @@ class Grammars:
             return self._ll
 
     def check(self, grammar: str) -> None:
-        """Raises GrammarError when llguidance cannot compile `grammar`."""
+        """Raises GrammarError (saying what in the schema is wrong) when llguidance cannot
+        compile `grammar`; else compiles it for `matcher`."""
+        with self._lock:
+            if grammar in self._compiled:
+                return
         llg = _llguidance()
         failed, messages = llg.LLMatcher.validate_grammar_with_warnings(grammar,
                                                                       self._tokenizer())
         if failed:
             raise GrammarError(_reason(messages[0]) if messages else "invalid grammar")
+        self.matcher(grammar)
 
     def matcher(self, grammar: str) -> Matcher:
         """A matcher at the start of `grammar` (GrammarError when it cannot compile)."""
-        m = _llguidance().LLMatcher(self._tokenizer(), grammar, log_level=0)
-        if m.is_error():
-            raise GrammarError(m.get_error())
-        return Matcher(m, self.words)
+        with self._lock:
+            start = self._compiled.get(grammar)
+            if start is not None:
+                self._compiled.move_to_end(grammar)
+        if start is None:
+            m = _llguidance().LLMatcher(self._tokenizer(), grammar, log_level=0)
+            if m.is_error():
+                raise GrammarError(m.get_error())
+            start = Matcher(m, self.words)
+            with self._lock:
+                self._compiled[grammar] = start
+                while len(self._compiled) > self.CACHED:
+                    self._compiled.popitem(last=False)
+        return start.copy()
 
 
 def _reason(message: str) -> str:

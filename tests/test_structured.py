@@ -246,6 +246,34 @@ def test_a_grammar_that_cannot_compile_is_refused(tree: LLM) -> None:
         tree.generate(PROMPTS[:1], SamplingParams(grammar="start: nothing_defined"))
 
 
+def test_a_grammar_compiles_once_and_its_matchers_are_apart(tree: LLM,
+                                                            monkeypatch: pytest.MonkeyPatch
+                                                            ) -> None:
+    """A grammar checked, then matched by several requests, compiles once; each matcher
+    advances on its own."""
+    import llguidance
+
+    grammars = Grammars(tree.tokenizer, tree.models.target.cfg.vocab_size)
+    made = []
+    real = llguidance.LLMatcher
+
+    def counting(*a: Any, **k: Any) -> Any:
+        made.append(a[1])
+        return real(*a, **k)
+
+    monkeypatch.setattr(llguidance, "LLMatcher", counting)
+    monkeypatch.setattr(counting, "validate_grammar_with_warnings",
+                        real.validate_grammar_with_warnings, raising=False)
+    g = json_schema_grammar({"type": "integer"})
+    grammars.check(g)
+    a, b = grammars.matcher(g), grammars.matcher(g)
+    assert len(made) == 1
+    digit = tree.tokenizer.encode("7")[0]
+    a.consume(digit)
+    assert a.mask().tolist() != b.mask().tolist()  # b still wants a first digit
+    assert b.mask().tolist() == grammars.matcher(g).mask().tolist()
+
+
 # ---- through the server ----------------------------------------------------------------------
 
 
