@@ -295,6 +295,7 @@ class Tokenizer:
             special_tokens=specials,
         )
         self.special_tokens: dict[str, int] = specials
+        self.special_names: dict[int, str] = {i: n for n, i in specials.items()}
         self._special_ids = frozenset(self.special_tokens.values())
         self._special_re: re.Pattern[str] | None = None
         self.vocab_size: int = self.encoding.max_token_value + 1

@@ -608,10 +608,12 @@ class CompletionLogprobs:
         out: dict[str, list[Any]] = {"tokens": [], "token_logprobs": [], "top_logprobs": [],
                                      "text_offset": []}
         for token, lp in entries:
-            out["tokens"].append(_token(self.tok, token)[0])
+            top = lp.top if lp is not None else ()
+            text, *names = token_strs(self.tok, [token, *(t for t, _ in top)])
+            out["tokens"].append(text)
             out["token_logprobs"].append(None if lp is None else lp.logprob)
             out["top_logprobs"].append(None if lp is None else {
-                _token(self.tok, t)[0]: v for t, v in lp.top})
+                name: v for name, (_, v) in zip(names, top)})
             out["text_offset"].append(self.offset)
             self.offset += len(self.tok.decode([token], skip_special_tokens=True))
         return out
@@ -620,7 +622,7 @@ class CompletionLogprobs:
 def token_strs(tok: Any, ids: list[int]) -> list[str]:
     """Each id's text: a special token's name, else its bytes as UTF-8 (bytes of a character
     split across tokens as `\\xNN` escapes)."""
-    names = {i: name for name, i in tok.special_tokens.items()}
+    names = tok.special_names
     return [names[i] if i in names else tok.decode_bytes([i]).decode("utf-8", "backslashreplace")
             for i in ids]
 
