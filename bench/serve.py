@@ -44,6 +44,7 @@ from bench.common import (
     bench_prompts,
     environment,
     paired_ratios,
+    server_metrics,
     table,
     write_report,
     write_results,
@@ -87,12 +88,9 @@ class Server:
         raise SystemExit(f"server {self.name!r} not healthy after {timeout:.0f} s "
                          f"({shlex.join(self.cmd)}):\n{self.tail()}")
 
-    def engine_seconds(self, client: httpx.Client) -> float:
+    def engine_seconds(self) -> float:
         """The server's wall time in scheduler steps so far (Prometheus counter)."""
-        for line in client.get(f"{self.url}/metrics").text.splitlines():
-            if line.startswith("kimi_engine_step_seconds_total "):
-                return float(line.split()[1])
-        return float("nan")
+        return server_metrics(self.url).get("kimi_engine_step_seconds_total", float("nan"))
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -119,7 +117,7 @@ def run_cell(client: httpx.Client, server: Server, prompts: list[list[int]], cli
              ids: range | None = None) -> dict[str, float]:
     """The prompts `ids` (default all) through `clients` concurrent clients; completion tokens
     over wall time, and the server's time in engine steps meanwhile."""
-    url, busy = server.url, server.engine_seconds(client)
+    url, busy = server.url, server.engine_seconds()
 
     def one(i: int) -> int:
         r = client.post(f"{url}/v1/completions",
@@ -133,7 +131,7 @@ def run_cell(client: httpx.Client, server: Server, prompts: list[list[int]], cli
         tokens = sum(pool.map(one, range(len(prompts)) if ids is None else ids))
     dt = time.perf_counter() - t0
     return {"tokens": tokens, "seconds": dt, "tokens_per_s": tokens / dt,
-            "step_seconds": server.engine_seconds(client) - busy}
+            "step_seconds": server.engine_seconds() - busy}
 
 
 def turns(requests: int, clients: int, turn: int) -> list[range]:
