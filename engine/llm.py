@@ -27,6 +27,7 @@ from engine.memory import (
     checkpoint_bytes,
     default_cpu_budget,
     default_prefill_chunk,
+    engine_pool,
     gb,
     parse_size,
     size_kv_pool,
@@ -264,40 +265,26 @@ class LLM:
 
     def _size_pool(self, budget: tuple[int | None, int, str], device: torch.device,
                    dtype: torch.dtype, max_pages: int, step_rows: int) -> PoolSize:
-        """The KV pool's pages: --kv-pages, else `engine.memory.size_kv_pool` over `budget`
-        (read before the weights loaded) and what is in use now; every rank takes the
+        """The KV pool's pages (`engine.memory.engine_pool`): --kv-pages, else sized over
+        `budget` (read before the weights loaded) and what is in use now; every rank takes the
         smallest of the ranks' sizes, since rank 0 hands out pages for all."""
-        cfg, mc = self.config, self.models.target.cfg
-        kv_token = self.models.kv_bytes_per_token(dtype)
-        cap = 1 + cfg.max_batch_size * max_pages
-        common = dict(page_size=cfg.page_size, bytes_per_token=kv_token,
-                      pages_per_context=max_pages, max_model_len=self.max_model_len,
-                      cap_pages=cap, budget_bytes=0, used_bytes=0, reserve_bytes=0)
-        if cfg.kv_pages is not None:
-            return PoolSize(cfg.kv_pages, fit_pages=cfg.kv_pages, source="--kv-pages", **common)
-        if budget[0] is None:  # no way to know the memory: every slot at full context
-            return PoolSize(cap, fit_pages=cap, source="memory", **common)
-        if device.type == "cuda":
+        cfg = self.config
+        used = 0  # nothing to size from without a budget (--kv-pages, or memory unknown)
+        if budget[0] is not None and device.type == "cuda":
             torch.cuda.empty_cache()  # loading's temporaries, cached but free
-            used = memory_budget(self.config, device)[1]
-        else:
+            used = memory_budget(cfg, device)[1]
+        elif budget[0] is not None:
             used = sum(t.numel() * t.element_size()
                        for m in (self.models.target, self.models.drafter) if m is not None
                        for t in (*m.parameters(), *m.buffers()))
-        reserve = activation_reserve(mc, tp=cfg.tp, max_batch_size=cfg.max_batch_size,
-                                     step_rows=step_rows,
-                                     prefill_tokens=prefill_chunk(cfg, device),
-                                     dtype_bytes=torch.finfo(dtype).bits // 8,
-                                     cuda=device.type == "cuda")
-        try:
-            size: PoolSize | None = size_kv_pool(
-                budget_bytes=budget[0], used_bytes=used, reserve_bytes=reserve.total,
-                bytes_per_token=kv_token, page_size=cfg.page_size,
-                max_model_len=self.max_model_len, pages_per_context=max_pages,
-                max_batch_size=cfg.max_batch_size, budget_flag=budget[2], tp=cfg.tp)
-            err: KVMemoryError | None = None
-        except KVMemoryError as e:
-            size, err = None, e
+        _, size, err = engine_pool(
+            self.models.target.cfg, kv_pages=cfg.kv_pages, budget_bytes=budget[0],
+            used_bytes=used, budget_flag=budget[2], tp=cfg.tp,
+            max_batch_size=cfg.max_batch_size, step_rows=step_rows,
+            prefill_tokens=prefill_chunk(cfg, device), dtype_bytes=torch.finfo(dtype).bits // 8,
+            cuda=device.type == "cuda", bytes_per_token=self.models.kv_bytes_per_token(dtype),
+            page_size=cfg.page_size, max_model_len=self.max_model_len,
+            pages_per_context=max_pages)
         if self.tp is not None and self.tp.control is not None:
             # NOTE: every rank joins, even one without room, so none waits on a failed peer
             import torch.distributed as dist

@@ -243,3 +243,31 @@ def size_kv_pool(*, budget_bytes: int, used_bytes: int, reserve_bytes: int,
             f"--gpu-memory-utilization (or --cpu-memory-budget on the CPU)")
     return PoolSize(min(fit, cap), page_size, bytes_per_token, pages_per_context,
                     max_model_len, fit, cap, budget_bytes, used_bytes, reserve_bytes)
+
+
+def engine_pool(mc: Any, *, kv_pages: int | None, budget_bytes: int | None, used_bytes: int,
+                budget_flag: str, tp: int, max_batch_size: int, step_rows: int,
+                prefill_tokens: int, dtype_bytes: int, cuda: bool, bytes_per_token: int,
+                page_size: int, max_model_len: int, pages_per_context: int
+                ) -> tuple[Reserve, PoolSize | None, KVMemoryError | None]:
+    """What the engine sizes once its weights are loaded (`engine.llm.LLM`, and `graphs.plan`
+    with planned numbers): its `activation_reserve` for `mc` and the KV pool, `kv_pages` pages
+    (`--kv-pages`) when given, every batch slot at full context when the budget is unknown
+    (None), else `size_kv_pool`'s; no pool and the error when not one full context fits."""
+    reserve = activation_reserve(mc, tp=tp, max_batch_size=max_batch_size, step_rows=step_rows,
+                                 prefill_tokens=prefill_tokens, dtype_bytes=dtype_bytes,
+                                 cuda=cuda)
+    if kv_pages is not None or budget_bytes is None:
+        cap = 1 + max_batch_size * pages_per_context
+        pages = cap if kv_pages is None else kv_pages
+        return reserve, PoolSize(pages, page_size, bytes_per_token, pages_per_context,
+                                 max_model_len, pages, cap, 0, 0, 0,
+                                 source="memory" if kv_pages is None else "--kv-pages"), None
+    try:
+        return reserve, size_kv_pool(
+            budget_bytes=budget_bytes, used_bytes=used_bytes, reserve_bytes=reserve.total,
+            bytes_per_token=bytes_per_token, page_size=page_size, max_model_len=max_model_len,
+            pages_per_context=pages_per_context, max_batch_size=max_batch_size,
+            budget_flag=budget_flag, tp=tp), None
+    except KVMemoryError as e:
+        return reserve, None, e

@@ -614,6 +614,11 @@ def parse_output(
 PROMPT_TAIL_IDS = 16
 
 
+def ids_open_reasoning(tokenizer: Tokenizer, prompt_ids: Sequence[int]) -> bool:
+    """`prompt_opens_reasoning` of a prompt's token ids (its last few decoded)."""
+    return prompt_opens_reasoning(tokenizer.decode(list(prompt_ids[-PROMPT_TAIL_IDS:])))
+
+
 class OutputStream:
     """Reasoning, content and tool calls of generated token ids (see the module docstring)."""
 
@@ -624,8 +629,7 @@ class OutputStream:
         names = (_ALL_MARKERS if tools else ()) + ((THINK_BEGIN, THINK_END) if reasoning else ())
         specials = tokenizer.special_tokens
         self._markers = {specials[m]: m for m in names if m in specials}
-        opens = reasoning and prompt_opens_reasoning(
-            tokenizer.decode(list(prompt_ids[-PROMPT_TAIL_IDS:])))
+        opens = reasoning and ids_open_reasoning(tokenizer, prompt_ids)
         self._parser = OutputParser(reasoning=reasoning, in_reasoning=opens,
                                     tools=(request_tools or True) if tools else False)
         self._text = TextStream(tokenizer, stop)  # the text without special ids

@@ -65,11 +65,10 @@ from engine.serve.options import ServeConfig
 from engine.serve.worker import ClientGone, Engine, Handle, ModelInfo
 from engine.tokenizer import TokenizerError
 from engine.toolcalls import (
-    PROMPT_TAIL_IDS,
     OutputDelta,
     OutputStream,
     ParsedOutput,
-    prompt_opens_reasoning,
+    ids_open_reasoning,
 )
 
 log = logging.getLogger("engine.serve")
@@ -301,8 +300,7 @@ class Server:
         if grammars is None:
             raise api.bad(param, f"{param}: this model cannot enforce a grammar (it has no "
                                  f"tokenizer)")
-        opened = body.parsing()["reasoning"] and prompt_opens_reasoning(
-            tok.decode(ids[-PROMPT_TAIL_IDS:]))
+        opened = body.parsing()["reasoning"] and ids_open_reasoning(tok, ids)
         reasoning = reasoning_prefix(tok, opened)
         parallel = body.parallel_tool_calls is not False
         if tools is not None:
@@ -457,13 +455,16 @@ def build_app(llm: Any, served_model_name: str, max_queue: int = 256,
             msg = {"role": role, "content": None, **set_}
             return {**c, "delta" if body.stream else "message": msg}
 
+        if echo:  # the prompt's text, once (echo needs a tokenizer: `admit` checked)
+            prompt = body.one_prompt()
+            echoed = prompt if isinstance(prompt, str) else tok.decode(ids,
+                                                                       skip_special_tokens=True)
+
         def prompt_part(i: int) -> tuple[str, list[Any] | None]:
             """An echoed prompt's text, and its tokens' log-probabilities when asked (the
             engine has them once it returned the choice's first tokens)."""
-            prompt = body.one_prompt()
-            text = prompt if isinstance(prompt, str) else model.decode(ids)
             lps = handles[i].req.prompt_logprobs
-            return text, None if lps is None else [*zip(ids, lps)]
+            return echoed, None if lps is None else [*zip(ids, lps)]
 
         if not body.stream:
             last: dict[int, tuple[str | None, int]] = {}

@@ -92,10 +92,6 @@ class ModelInfo:
     def make_request(self, prompt_ids: list[int], params: SamplingParams) -> EngineRequest:
         return EngineRequest(next(self._rids), list(prompt_ids), params)
 
-    def decode(self, ids: list[int]) -> str:
-        """Output text: special tokens leave none."""
-        return self.tokenizer.decode(ids, skip_special_tokens=True) if self.tokenizer else ""
-
 
 @dataclass
 class Handle:
