@@ -117,7 +117,12 @@ class Request:
 
 
 class RequestRejected(ValueError):
-    """A request that can never run (too long for the context or the KV pool)."""
+    """A request that can never run (too long for the context or the KV pool); `param` names
+    the field at fault when it is not the prompt."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
 
 
 @dataclass(frozen=True)
@@ -155,4 +160,4 @@ class Limits:
         bad = [t for t, _ in req.params.logit_bias if not t < vocab]
         if bad:
             raise RequestRejected(f"logit_bias token id {bad[0]} is outside the vocabulary "
-                                  f"[0, {vocab})")
+                                  f"[0, {vocab})", "logit_bias")

@@ -206,10 +206,6 @@ class Server:
         if body.top_k > vocab:
             raise api.bad("top_k", f"top_k is {body.top_k}, but this model's vocabulary has "
                                    f"{vocab} tokens (-1 or 0: no top-k)")
-        bad_id = next((k for k in body.logit_bias or {} if int(k) >= vocab), None)
-        if bad_id is not None:
-            raise api.bad("logit_bias", f"logit_bias biases token {bad_id}, but this model's "
-                                        f"vocabulary has {vocab} tokens (ids 0 to {vocab - 1})")
 
     def check_bytes(self, param: str, nbytes: int) -> None:
         """Refuses, before tokenizing, a text of `nbytes` UTF-8 bytes that cannot fit the
@@ -280,6 +276,8 @@ class Server:
         except RequestRejected as e:
             for h in handles:
                 self.close(h)
+            if e.param is not None:
+                raise api.bad(e.param, f"request rejected: {e}") from e
             raise api.bad(param, f"request rejected: {e} ({param}: {len(ids)} tokens, "
                                  f"max_tokens: {params.max_new_tokens})") from e
         outs = [OutputStream(tok, ids, params.stop, **body.parsing() if chat else {},
