@@ -153,9 +153,10 @@ class _Request(_Strict):
     user: str | None = None
     presence_penalty: Neutral | None = None
     frequency_penalty: Neutral | None = None
-    # token id (a decimal string, as JSON keys are) -> bias; ids past the vocabulary are
-    # refused by the app, which knows it
-    logit_bias: Annotated[dict[str, LogitBias], Field(max_length=MAX_LOGIT_BIAS)] | None = None
+    # token id (a decimal string, as JSON keys are) -> bias, at most MAX_LOGIT_BIAS of them
+    # (`_bias_shape`); ids past the vocabulary are refused with the request's limits
+    # (`engine.request.Limits`), which know it
+    logit_bias: dict[str, LogitBias] | None = None
 
     @field_validator("stop", mode="before")
     @classmethod
