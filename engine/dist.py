@@ -63,6 +63,12 @@ class CommStats:
         self.seconds.clear()
 
 
+def leads(tp: int) -> bool:
+    """Whether this process reads prompts and serves, known before `Group.init`: the only one,
+    or rank 0 of the `tp` ranks torchrun started."""
+    return tp == 1 or os.environ.get("RANK", "0") == "0"
+
+
 class Group:
     """This process's place in the tensor-parallel group and its collectives.
 

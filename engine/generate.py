@@ -122,9 +122,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     a, cfg, defaults = parse_cli(build_parser(), argv, EngineConfig, SamplingParams)
+    from engine.dist import leads
+
     # Under tensor parallelism only rank 0 reads prompts and writes output; the other ranks
     # run rank 0's model calls.
-    leader = cfg.tp == 1 or os.environ.get("RANK", "0") == "0"
+    leader = leads(cfg.tp)
     items: list[tuple[dict[str, Any], SamplingParams]] = []
     out: Output | None = None
     if leader:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import sys
 
 from engine.config import EngineConfig, add_cli_args, parse_cli
@@ -26,8 +25,10 @@ def main(argv: list[str] | None = None) -> None:
     add_cli_args(p, ServeConfig)
     _, engine, cfg = parse_cli(p, argv, EngineConfig, ServeConfig)
     logging.basicConfig(level=cfg.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    from engine.dist import leads
+
     threads = torch.get_num_threads()
-    if engine.tp == 1 or os.environ.get("RANK", "0") == "0":
+    if leads(engine.tp):
         from engine.serve.procs import serve
 
         return serve(engine, cfg, threads)
