@@ -70,13 +70,11 @@ from engine.kv_cache import KVPool, pages_needed
 from engine.memory import (
     CUDA_RUNTIME_BYTES,
     GPU_MEMORY_UTILIZATION,
-    KVMemoryError,
     PoolSize,
     Reserve,
-    activation_reserve,
     default_prefill_chunk,
+    engine_pool,
     parse_size,
-    size_kv_pool,
 )
 from engine.models.dflash import DFlashDrafter
 from engine.models.kimi import KimiForCausalLM
@@ -337,6 +335,12 @@ def _counts(models: Models, flops: FlopCounterMode, cost: CostMode) -> dict[str,
             "collective_calls": sum(comm.calls.values()) if comm else 0}
 
 
+def cuda_prefill_chunk(a: argparse.Namespace) -> int:
+    """The most prompt tokens one engine step prefills on CUDA: `--prefill-chunk`, else CUDA's
+    default."""
+    return a.prefill_chunk or default_prefill_chunk("cuda")
+
+
 def prefill_costs(a: argparse.Namespace, models: Models, dtype: torch.dtype, gpus: list[str]
                   ) -> list[dict[str, Any]]:
     """The cost of prefilling one prompt of each `--prompt-lens`, alone, in the engine's chunks
@@ -345,7 +349,7 @@ def prefill_costs(a: argparse.Namespace, models: Models, dtype: torch.dtype, gpu
     later chunk costs what it does at any context plus what its attention reads of that
     context, linear in it: measured at one and two chunks of context, summed over the chunks
     (the last one counted whole)."""
-    c = a.prefill_chunk or default_prefill_chunk("cuda")
+    c = cuda_prefill_chunk(a)
     pool = models.kv_pool(a.page_size, 1 + pages_needed(3 * c, a.page_size), dtype, "meta")
     pages = list(range(1, pool.num_pages))
 
@@ -455,7 +459,7 @@ def build_parser() -> argparse.ArgumentParser:
 @dataclass
 class Sizing:
     """The engine's KV pool with these flags on one GPU of `gpu_memory` bytes, by its own rule
-    (`engine.memory.size_kv_pool`), and what it is sized from."""
+    (`engine.memory.engine_pool`), and what it is sized from."""
 
     shape: StepShape  # the runner's
     budgets: Policy | None  # its budget policy (`engine.policy`)
@@ -489,32 +493,21 @@ def sizing(a: argparse.Namespace, models: Models, dtype: torch.dtype, gpu_memory
     shape, budgets, widest = engine_shapes(models, a.budget)
     max_len = a.max_model_len or c.max_position_embeddings
     max_pages = pages_needed(max_len + widest.max_emit, a.page_size)
-    chunk = a.prefill_chunk or default_prefill_chunk("cuda")
+    chunk = cuda_prefill_chunk(a)
     weights = weight_bytes(models)
     per_rank = weights.get("target", 0) + weights.get("drafter", 0)
     kv_token = models.kv_bytes_per_token(dtype)
-    reserve = activation_reserve(c, tp=a.tp, max_batch_size=max_batch_size,
-                                 step_rows=widest.num_nodes + shape.block_size,
-                                 prefill_tokens=chunk,
-                                 dtype_bytes=torch.finfo(dtype).bits // 8, cuda=True)
     used = per_rank + a.reserve
     budget = int(gpu_memory * a.gpu_memory_utilization)
     flag = f"--gpu-memory-utilization {a.gpu_memory_utilization} of {_gb(gpu_memory)}"
-    pool, error = None, None
-    if a.kv_pages is not None:
-        pool = PoolSize(a.kv_pages, a.page_size, kv_token, max_pages, max_len, a.kv_pages,
-                        1 + max_batch_size * max_pages, 0, 0, 0, source="--kv-pages")
-    else:
-        try:
-            pool = size_kv_pool(budget_bytes=budget, used_bytes=used,
-                                reserve_bytes=reserve.total, bytes_per_token=kv_token,
-                                page_size=a.page_size, max_model_len=max_len,
-                                pages_per_context=max_pages, max_batch_size=max_batch_size,
-                                budget_flag=flag, tp=a.tp)
-        except KVMemoryError as e:
-            error = str(e)
+    reserve, pool, err = engine_pool(
+        c, kv_pages=a.kv_pages, budget_bytes=budget, used_bytes=used, budget_flag=flag, tp=a.tp,
+        max_batch_size=max_batch_size, step_rows=widest.num_nodes + shape.block_size,
+        prefill_tokens=chunk, dtype_bytes=torch.finfo(dtype).bits // 8, cuda=True,
+        bytes_per_token=kv_token, page_size=a.page_size, max_model_len=max_len,
+        pages_per_context=max_pages)
     return Sizing(shape, budgets, widest, max_len, a.page_size, max_pages, max_batch_size, chunk,
-                  weights, kv_token, reserve, used, budget, flag, pool, error)
+                  weights, kv_token, reserve, used, budget, flag, pool, str(err) if err else None)
 
 
 def engine_runner(models: Models, z: Sizing, num_pages: int, dtype: torch.dtype

@@ -66,6 +66,7 @@ from ops.paged_grid import (  # noqa: F401 - the launch geometry, re-exported
     MAX_PARTIAL_BYTES,
     MAX_SPLITS,
     TARGET_PROGRAMS,
+    LaunchShape,
     kv_splits,
     launch_shape,
     pow2_tile,
@@ -231,13 +232,12 @@ def _merge_splits(
 
 
 def fwd_meta(
-    dtype: torch.dtype, device_type: str, *, rows: int, group: int, page_size: int, da: int,
-    db: int, dv: int, v_is_a: bool, block_n: int | None = None,
-) -> tuple[dict[str, Any], int]:
-    """The constexprs of `_paged_attn_fwd` and the `num_warps` for a cache of `dtype`
-    on `device_type`, `rows = M * G` query rows per KV head, part widths `da`, `db` (0: none),
-    value width `dv` (shared by the launchers and the sm_90 compile test)."""
-    bm_max, bn, warps = tile_config(dtype, dv)
+    dtype: torch.dtype, device_type: str, launch: LaunchShape, *, group: int, page_size: int,
+    da: int, db: int, dv: int, v_is_a: bool,
+) -> dict[str, Any]:
+    """The constexprs of `_paged_attn_fwd` for a cache of `dtype` on `device_type`, tiled as
+    `launch` (`launch_shape`'s), `group` query heads per KV head, part widths `da`, `db` (0:
+    none), value width `dv` (shared by the launchers and the sm_90 compile test)."""
     # NOTE: triton 3.9.0's interpreter multiplies bf16 dot operands as their raw uint16 bits;
     # on the CPU the (already rounded) 16-bit tiles are widened to fp32 for the dot, which is
     # exact: the interpreter reproduces the GPU's 16-bit dot up to summation order.
@@ -245,12 +245,11 @@ def fwd_meta(
         dot_t, prec = tl.float32, "ieee"
     else:
         dot_t, prec = _TL_DTYPES[dtype], "tf32"
-    meta = dict(
+    return dict(
         G=group, PAGE_SIZE=page_size, DA=da, DB=db, DV=dv,
-        BLOCK_M=pow2_tile(rows, hi=bm_max), BLOCK_N=block_n or bn,
+        BLOCK_M=launch.block_m, BLOCK_N=launch.block_n,
         BLOCK_DA=pow2_tile(da), BLOCK_DB=pow2_tile(max(db, 1)), BLOCK_DV=pow2_tile(dv),
         HAS_B=db > 0, V_IS_A=v_is_a, DOT_T=dot_t, DOT_PREC=prec)
-    return meta, warps
 
 
 def _paged_attention(
@@ -274,23 +273,21 @@ def _paged_attention(
     if ctx_len.dtype not in (torch.int32, torch.int64):
         raise TypeError(f"ctx_len must be int32 or int64, got {ctx_len.dtype}")
     W = page_table.shape[1]
-    row_tiles, S, block_n = launch_shape(
-        bs, M, NH, W * page_size, cache.dtype, kv_heads=kv_heads, dv=dv, num_splits=num_splits,
-        block_n=block_n)
-    G = NH // kv_heads
+    launch = launch_shape(bs, M, NH, W * page_size, cache.dtype, kv_heads=kv_heads, dv=dv,
+                          num_splits=num_splits, block_n=block_n)
+    S = launch.num_splits
     dev = qa.device
-    meta, warps = fwd_meta(cache.dtype, dev.type, rows=M * G, group=G, page_size=page_size,
-                           da=DA, db=qb.shape[-1] if qb is not None else 0, dv=dv,
-                           v_is_a=v_is_a, block_n=block_n)
+    meta = fwd_meta(cache.dtype, dev.type, launch, group=NH // kv_heads, page_size=page_size,
+                    da=DA, db=qb.shape[-1] if qb is not None else 0, dv=dv, v_is_a=v_is_a)
     part = torch.empty(S, bs, M, NH, dv, dtype=torch.float32, device=dev)
     plse = torch.empty(S, bs, M, NH, dtype=torch.float32, device=dev)
     qb_ = qb if qb is not None else qa
-    _kernel_for(_paged_attn_fwd, dev)[(kv_heads * row_tiles, bs, S)](
+    _kernel_for(_paged_attn_fwd, dev)[(kv_heads * launch.row_tiles, bs, S)](
         qa, qb_, cache, page_table, ctx_len, part, plse,
         qa.stride(0), qa.stride(1), qa.stride(2), qb_.stride(0), qb_.stride(1), qb_.stride(2),
         cache.stride(0), page_table.stride(0), page_table.stride(1),
         M, NH, W, bs, S, scale * LOG2E,
-        a_off, b_off, v_off, head_stride, **meta, num_warps=warps)
+        a_off, b_off, v_off, head_stride, **meta, num_warps=launch.num_warps)
     if S == 1:
         return part[0], plse[0]
     out = torch.empty(bs, M, NH, dv, dtype=torch.float32, device=dev)
@@ -299,7 +296,7 @@ def _paged_attention(
     block_dv = meta["BLOCK_DV"]
     block_r = pow2_tile(rows, 1, min(4096 // block_dv, 64))
     _kernel_for(_merge_splits, dev)[(triton.cdiv(rows, block_r), bs)](
-        part, plse, ctx_len, out, lse, rows, bs, W * page_size, S, block_n,
+        part, plse, ctx_len, out, lse, rows, bs, W * page_size, S, launch.block_n,
         DV=dv, BLOCK_R=block_r, BLOCK_DV=block_dv, num_warps=4)
     return out, lse
 

@@ -11,6 +11,7 @@ can capture it); each row cuts its own live length into the splits on the device
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 
@@ -70,22 +71,40 @@ def split_chunk(length: int, num_splits: int, block_n: int) -> int:
     return max(1, -(-per // block_n)) * block_n
 
 
+def split_bytes(bs: int, rows: int, heads: int, dv: int) -> int:
+    """Bytes of one split's partials (fp32 outputs and LSEs) in a launch over `bs` requests of
+    `rows` query rows and `heads` query heads, values `dv` wide."""
+    return bs * rows * heads * (dv + 1) * 4
+
+
+class LaunchShape(NamedTuple):
+    """A launch's grid `(kv_heads * row_tiles, bs, num_splits)` and the tiles its programs
+    take: `block_m` query rows (the kernel's `BLOCK_M`) by `block_n` keys, on `num_warps`
+    warps."""
+
+    row_tiles: int
+    num_splits: int
+    block_n: int
+    block_m: int
+    num_warps: int
+
+
 def launch_shape(bs: int, rows: int, heads: int, capacity: int, dtype: torch.dtype, *,
-                  kv_heads: int, dv: int, num_splits: int | None, block_n: int | None
-                  ) -> tuple[int, int, int]:
-    """`(row_tiles, num_splits, BLOCK_N)` of a launch over `bs` requests of `rows`
-    query rows and `heads` query heads (`kv_heads` KV heads), values `dv` wide, in a cache of
-    `dtype` whose page table covers `capacity` tokens (shared by the launcher and
-    `programs_with_work`)."""
+                 kv_heads: int, dv: int, num_splits: int | None, block_n: int | None
+                 ) -> LaunchShape:
+    """The `LaunchShape` of a launch over `bs` requests of `rows` query rows and `heads` query
+    heads (`kv_heads` KV heads), values `dv` wide, in a cache of `dtype` whose page table
+    covers `capacity` tokens (shared by the launcher and `programs_with_work`)."""
     if heads % kv_heads:
         raise ValueError(f"{heads} query heads do not split into {kv_heads} KV heads")
-    bm_max, bn, _ = tile_config(dtype, dv)
+    bm_max, bn, warps = tile_config(dtype, dv)
     block_n = block_n or bn
     per_kv_head = rows * (heads // kv_heads)  # the kernel's `M * G`
-    row_tiles = -(-per_kv_head // pow2_tile(per_kv_head, hi=bm_max))
-    split_bytes = bs * rows * heads * (dv + 1) * 4
-    S = kv_splits(bs, kv_heads * row_tiles, capacity, block_n, num_splits, split_bytes)
-    return row_tiles, S, block_n
+    block_m = pow2_tile(per_kv_head, hi=bm_max)
+    row_tiles = -(-per_kv_head // block_m)
+    S = kv_splits(bs, kv_heads * row_tiles, capacity, block_n, num_splits,
+                  split_bytes(bs, rows, heads, dv))
+    return LaunchShape(row_tiles, S, block_n, block_m, warps)
 
 
 def programs_with_work(
@@ -107,19 +126,19 @@ def programs_with_work(
     if len(ctx_len) > bs:
         raise ValueError(f"{len(ctx_len)} lengths for a batch of {bs}")
     capacity = width * page_size
-    row_tiles, S, bn = launch_shape(bs, rows, heads, capacity, dtype, kv_heads=kv_heads,
-                                        dv=dv, num_splits=num_splits, block_n=block_n)
+    shape = launch_shape(bs, rows, heads, capacity, dtype, kv_heads=kv_heads, dv=dv,
+                         num_splits=num_splits, block_n=block_n)
     live = 0
     for n in ctx_len:
         n = min(max(n, 0), capacity)
-        live += -(-n // split_chunk(n, S, bn))
-    return kv_heads * row_tiles * live
+        live += -(-n // split_chunk(n, shape.num_splits, shape.block_n))
+    return kv_heads * shape.row_tiles * live
 
 
 def partial_bytes(bs: int, rows: int, heads: int, capacity: int, dtype: torch.dtype, *,
                   kv_heads: int, dv: int) -> int:
     """Bytes of the per-split partials (fp32 outputs and LSEs) a launch allocates beside its
     output: none with one split."""
-    _, S, _ = launch_shape(bs, rows, heads, capacity, dtype, kv_heads=kv_heads, dv=dv,
-                           num_splits=None, block_n=None)
-    return S * bs * rows * heads * (dv + 1) * 4 if S > 1 else 0
+    S = launch_shape(bs, rows, heads, capacity, dtype, kv_heads=kv_heads, dv=dv,
+                     num_splits=None, block_n=None).num_splits
+    return S * split_bytes(bs, rows, heads, dv) if S > 1 else 0

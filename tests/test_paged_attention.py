@@ -384,12 +384,12 @@ def test_programs_with_work_follow_the_live_context():
     assert counts[-1] == at.MAX_SPLITS
     assert work(KIMI_MLA, 1, [0, 4096, 1]) == work(KIMI_MLA, 1, [4096]) + 1 > 64
     # a prefill chunk of 4,096 tokens: its rows fill the GPU, one split, no partials
-    row_tiles, S, _ = at.launch_shape(1, 4096, 8, LONG_TABLE, torch.bfloat16, kv_heads=1,
-                                       dv=512, num_splits=None, block_n=None)
+    row_tiles, S = at.launch_shape(1, 4096, 8, LONG_TABLE, torch.bfloat16, kv_heads=1,
+                                   dv=512, num_splits=None, block_n=None)[:2]
     assert S == 1 and row_tiles * 32 == 4096 * 8
     for q in (16, 64, 256, 1024):
-        _, S, _ = at.launch_shape(1, q, 8, LONG_TABLE, torch.bfloat16, kv_heads=1, dv=512,
-                                   num_splits=None, block_n=None)
+        S = at.launch_shape(1, q, 8, LONG_TABLE, torch.bfloat16, kv_heads=1, dv=512,
+                            num_splits=None, block_n=None).num_splits
         assert S == 1 or S * q * 8 * 513 * 4 <= at.MAX_PARTIAL_BYTES
 
 
@@ -458,7 +458,7 @@ def test_kernels_split_by_live_length_equal_twins(monkeypatch, kernel, num_split
     (grid, kwargs), = rec.launches
     S = grid[2]
     auto = at.launch_shape(len(lens), rows, H, width * ps, torch.float32, kv_heads=kvh, dv=dv,
-                            num_splits=None, block_n=bn)[1]
+                           num_splits=None, block_n=bn).num_splits
     assert S == (num_splits or auto) and auto > 3
     wrote = _wrote(plse, kwargs, kvh)
     per_row = wrote.sum(0).tolist()
@@ -534,20 +534,22 @@ def test_kernels_compile_for_sm90_without_spills(tmp_path):
         from triton.compiler import ASTSource
         from ops import attention_triton as at
 
-        def fwd(dtype, da, db, dv, group, rows, v_is_a):
-            meta, warps = at.fwd_meta(dtype, "cuda", rows=rows, group=group, page_size=16,
-                                      da=da, db=db, dv=dv, v_is_a=v_is_a)
+        def fwd(dtype, da, db, dv, group, m, v_is_a):
+            launch = at.launch_shape(1, m, group, 16, dtype, kv_heads=1, dv=dv,
+                                     num_splits=None, block_n=None)
+            meta = at.fwd_meta(dtype, "cuda", launch, group=group, page_size=16, da=da, db=db,
+                               dv=dv, v_is_a=v_is_a)
             t = {{torch.bfloat16: "bf16", torch.float32: "fp32"}}[dtype]
-            return at._paged_attn_fwd, meta, warps, dict(qa_ptr="*" + t, qb_ptr="*" + t,
-                                                          kv_ptr="*" + t)
+            return at._paged_attn_fwd, meta, launch.num_warps, dict(
+                qa_ptr="*" + t, qb_ptr="*" + t, kv_ptr="*" + t)
 
         cases = dict(
-            mla_kimi_bf16=fwd(torch.bfloat16, 512, 64, 512, 8, 65 * 8, True),
-            mla_kimi_fp32=fwd(torch.float32, 512, 64, 512, 8, 65 * 8, True),
-            mla_toy_fp32=fwd(torch.float32, 64, 16, 64, 4, 65 * 4, True),
-            mla_toy_bf16=fwd(torch.bfloat16, 64, 16, 64, 4, 65 * 4, True),
-            draft_kimi_bf16=fwd(torch.bfloat16, 128, 0, 128, 8, 64, False),
-            draft_kimi_fp32=fwd(torch.float32, 128, 0, 128, 8, 64, False),
+            mla_kimi_bf16=fwd(torch.bfloat16, 512, 64, 512, 8, 65, True),
+            mla_kimi_fp32=fwd(torch.float32, 512, 64, 512, 8, 65, True),
+            mla_toy_fp32=fwd(torch.float32, 64, 16, 64, 4, 65, True),
+            mla_toy_bf16=fwd(torch.bfloat16, 64, 16, 64, 4, 65, True),
+            draft_kimi_bf16=fwd(torch.bfloat16, 128, 0, 128, 8, 8, False),
+            draft_kimi_fp32=fwd(torch.float32, 128, 0, 128, 8, 8, False),
             merge=(at._merge_splits, dict(DV=512, BLOCK_R=8, BLOCK_DV=512), 4, {{}}),
         )
         for name, (fn, const, nw, ptrs) in cases.items():
