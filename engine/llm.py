@@ -225,8 +225,7 @@ class LLM:
         budget = memory_budget(cfg, device) if cfg.kv_pages is None else (None, 0, "")
         check_fits(cfg, device, dtype, budget)
         self.models, self.model_dir = load_models(cfg, device, dtype, self.tp, progress)
-        self.tokenizer = (Tokenizer.from_dir(self.model_dir)
-                          if (self.model_dir / "tiktoken.model").is_file() else None)
+        self.tokenizer = Tokenizer.of_model(self.model_dir)
         target, drafter = self.models.target, self.models.drafter
         mc = target.cfg
         block = drafter.c.block_size if drafter else 2

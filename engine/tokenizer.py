@@ -315,6 +315,12 @@ class Tokenizer:
         self.special_tokens_map: dict[str, str] = dict(special_tokens_map or {})
 
     @classmethod
+    def of_model(cls, model_dir: str | os.PathLike[str]) -> Tokenizer | None:
+        """A model directory's tokenizer (`from_dir`), None when it has none (no
+        `tiktoken.model`: the model takes and gives token ids)."""
+        return cls.from_dir(model_dir) if (Path(model_dir) / MODEL_FILE).is_file() else None
+
+    @classmethod
     def from_dir(cls, path: str | os.PathLike[str]) -> Tokenizer:
         """Loads `tiktoken.model`, and when present `tokenizer_config.json` (special tokens, named
         special tokens, chat template) and `chat_template.jinja` (wins over the config's).

@@ -149,11 +149,12 @@ class Bench:
             cfg.attention, target, self.pool, [(bs, n) for bs in a.batch_sizes for n in nodes],
             self.max_pages)
         n = max(a.batch_sizes) if not a.tune else max(tune_prompts(a, b) for b in a.batch_sizes)
-        if (self.model_dir / "tiktoken.model").is_file():
-            from engine.held_out import held_out_prompts
-            from engine.tokenizer import Tokenizer
+        from engine.tokenizer import Tokenizer
 
-            tok = Tokenizer.from_dir(self.model_dir)
+        tok = Tokenizer.of_model(self.model_dir)
+        if tok is not None:
+            from engine.held_out import held_out_prompts
+
             self.prompts = [tok.encode(t)[-a.prompt_len:] for t in held_out_prompts(n, a.seed)]
         else:
             g = torch.Generator().manual_seed(a.seed)

@@ -56,8 +56,7 @@ def frontend(cfg: ServeConfig, model_dir: Path, commands: Connection, reports: C
     from engine.serve.worker import Engine, ModelInfo, Remote
     from engine.tokenizer import Tokenizer
 
-    tok = (Tokenizer.from_dir(model_dir) if (model_dir / "tiktoken.model").is_file()
-           else None)
+    tok = Tokenizer.of_model(model_dir)
     try:
         ready = reports.recv()
     except EOFError:
