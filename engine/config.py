@@ -468,6 +468,10 @@ class SamplingParams:
     grammar: str | None = Field(
         None, description="an llguidance grammar (Lark text, or its JSON form: "
                           "`engine.grammar`) every output must match", json_schema_extra=_NO_FLAG)
+    cache_salt: str | None = Field(
+        None, description="enters the prefix cache's key of the request's first page: only "
+                          "requests with the same salt share cached prefixes (vLLM's field; set "
+                          "it at the trust boundary, per tenant)", json_schema_extra=_NO_FLAG)
 
     @field_validator("logit_bias")
     @classmethod
@@ -567,6 +571,9 @@ class EngineConfig:
                             f"start), on for generate when its prompts ask for at least "
                             f"{COMPILE_MIN_TOKENS:,} new tokens, off elsewhere; CUDA "
                             f"captures graphs instead")
+    enable_prefix_caching: bool = Field(
+        True, description="keep prompts' and answers' whole KV pages for later requests with "
+                          "the same prefix (an agent's next turn prefills only its new tokens)")
     # Not a flag: None lets the runner use CUDA graphs exactly when the device is CUDA.
     use_graphs: bool | None = Field(None, json_schema_extra={"cli": False})
 
@@ -620,8 +627,10 @@ def add_cli_args(ap: argparse.ArgumentParser, cls: type, exclude: tuple[str, ...
         if name in exclude or extra.get("cli") is False:
             continue
         flag = "--" + name.replace("_", "-")
-        if f.annotation is bool:
-            ap.add_argument(flag, action="store_true", help=f.description)
+        if f.annotation is bool:  # --x / --no-x when on by default (vLLM's spelling)
+            on = f.default is True
+            ap.add_argument(flag, action=argparse.BooleanOptionalAction if on else "store_true",
+                            default=f.default, help=f.description + (" (default: on)" if on else ""))
             continue
         typ, kw = _flag_type(f.annotation)
         default = f.default

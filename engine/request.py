@@ -27,6 +27,9 @@ class Request:
     pages: list[int] = field(default_factory=list)
     cache_len: int = 0  # tokens whose KV is committed in the cache
     fed: int = 0  # of those, the tokens whose drafter context is in the cache too
+    # Prompt tokens whose KV came from the prefix cache at the request's first admission (a
+    # preempted request's later hits are not counted): usage's `cached_tokens`.
+    cached_tokens: int = 0
     num_steps: int = 0
     accept_lengths: list[int] = field(default_factory=list)  # tokens emitted per step
     finish_reason: str | None = None
