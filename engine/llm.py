@@ -193,6 +193,7 @@ class GenerationOutput:
     # prompt token (None for the first).
     logprobs: list[Logprob] | None = None
     prompt_logprobs: list[Logprob | None] | None = None
+    cached_tokens: int = 0  # prompt tokens the prefix cache held (not prefilled again)
 
 
 class LLM:
@@ -258,7 +259,8 @@ class LLM:
             prefill_chunk=prefill_chunk(cfg, device),
             max_batch_size=cfg.max_batch_size, max_model_len=self.max_model_len,
             stop_ids=stop_ids, decoder=self._text_decoder if self.tokenizer else None,
-            grammars=Grammars(self.tokenizer, mc.vocab_size) if self.tokenizer else None)
+            grammars=Grammars(self.tokenizer, mc.vocab_size) if self.tokenizer else None,
+            prefix_caching=cfg.enable_prefix_caching)
         self.stats: dict[str, Any] = {}
         self._next_id = 0
 
@@ -334,6 +336,10 @@ class LLM:
     def _text_decoder(self) -> IncrementalDecoder:
         assert self.tokenizer is not None
         return self.tokenizer.stream_decoder(skip_special_tokens=True)
+
+    def reset_prefix_cache(self) -> int:
+        """Evicts every cached page no request holds (vLLM's name); returns how many."""
+        return self.scheduler.cache.reset()
 
     def decode(self, ids: list[int]) -> str:
         """Output text: special tokens (`<|im_end|>`, reserved ids) leave no text."""
@@ -428,6 +434,8 @@ class LLM:
             "steps": sum(r.num_steps for r in reqs),
             "mean_accept_len": sum(acc) / len(acc) if acc else 0.0,
             "phase_seconds": phases, "preemptions": self.scheduler.num_preemptions,
+            "cached_tokens": sum(r.cached_tokens for r in reqs),
+            "prefill_tokens": sum(len(r.prompt_ids) - r.cached_tokens for r in reqs),
         }
         if self.tp is not None:
             # Rank 0's collectives during this call: calls and bytes per kind, and wall seconds
@@ -446,7 +454,7 @@ class LLM:
             text = text[: r.text_end]
         return GenerationOutput(i, r.prompt_ids, list(r.output_ids), text, r.finish_reason or "",
                                 r.num_steps, list(r.accept_lengths), r.logprobs,
-                                r.prompt_logprobs)
+                                r.prompt_logprobs, r.cached_tokens)
 
     # ---- tensor parallelism ------------------------------------------------------------------
 

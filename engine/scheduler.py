@@ -31,6 +31,7 @@ from typing import Any, Protocol
 
 from engine.grammar import GrammarError, Grammars
 from engine.kv_cache import BlockAllocator, OutOfPages, pages_needed
+from engine.prefix_cache import PrefixCache
 from engine.request import Limits, Request, RequestRejected
 from engine.runner import Logprob, PrefillInputs, StepInputs
 
@@ -136,7 +137,7 @@ class Scheduler:
     def __init__(self, runner: Any, *, num_pages: int, page_size: int, vocab_size: int,
                  max_batch_size: int, max_model_len: int, stop_ids: frozenset[int] = frozenset(),
                  decoder: Callable[[], TextDecoder] | None = None, prefill_chunk: int = 2048,
-                 grammars: Grammars | None = None):
+                 grammars: Grammars | None = None, prefix_caching: bool = True):
         if prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be at least 1, got {prefill_chunk}")
         self.runner = runner
@@ -145,6 +146,11 @@ class Scheduler:
         self.prefill_chunk = prefill_chunk
         self.page_size, self.vocab_size = page_size, vocab_size
         self.alloc = BlockAllocator(num_pages, reserved=1)
+        # Whole pages of committed tokens kept for later requests (`engine.prefix_cache`): a
+        # request admitted over a cached prefix prefills only the rest. Its counters, in tokens
+        # of first admissions (as vLLM's): prompt tokens looked up, and found.
+        self.cache = PrefixCache(self.alloc, page_size, prefix_caching)
+        self.prefix_queries = self.prefix_hits = 0
         self.max_batch_size = max_batch_size
         self.max_model_len = max_model_len
         self.stop_ids = stop_ids
@@ -208,17 +214,50 @@ class Scheduler:
         """Requests holding a batch slot: running, or being prefilled."""
         return len(self.running) + len(self.prefilling)
 
-    def _release(self, req: Request) -> None:
+    def _release(self, req: Request, keep: bool = True) -> None:
+        """`req`'s pages go back: with `keep`, its committed whole pages into the prefix cache
+        first (a failed request's are not kept)."""
         if req.pages:
-            self.alloc.free(req.pages)
+            if keep:
+                self._insert(req)
+            self.cache.release(req.pages)
             req.pages = []
             req.new_table()
         req.cache_len = req.fed = 0
+        req.cache_cursor = None
+
+    def _insert(self, req: Request) -> None:
+        """`req`'s whole pages committed in both caches (below `min(cache_len, fed)`) into the
+        prefix cache, from where its last insert stopped."""
+        req.cache_cursor = self.cache.insert(
+            req.prompt_ids + req.output_ids, req.pages, req.params.cache_salt,
+            min(req.cache_len, req.fed), req.cache_cursor)
 
     def _grow(self, req: Request, num_tokens: int) -> None:
         extra = pages_needed(num_tokens, self.page_size) - len(req.pages)
         if extra > 0:
-            req.pages += self.alloc.alloc(extra)
+            req.pages += self.cache.alloc_pages(extra)
+
+    def _hit(self, req: Request, ctx: list[int]) -> list[int]:
+        """The cached pages a waiting request's context `ctx` starts with: a fresh request's
+        last prompt token is always computed again (its logits give the first token); a
+        recomputed one samples nothing, so all of its context may hit."""
+        limit = len(ctx) - 1 if not req.output_ids else len(ctx)
+        return self.cache.match(ctx, req.params.cache_salt, limit)
+
+    def _admit(self, req: Request, hit: list[int], ctx: int) -> None:
+        """`req` holds the pages of its cached prefix `hit` and new ones for the rest of its
+        context `ctx`; its prefill starts past the hit."""
+        self.cache.hold(hit)
+        req.pages = list(hit)
+        req.cache_len = req.fed = len(hit) * self.page_size
+        self._grow(req, ctx)
+        if not req.prefix_queried:  # first admission: what usage and the counters report
+            req.prefix_queried = True
+            req.cached_tokens = req.cache_len
+            if self.cache.enabled:
+                self.prefix_queries += len(req.prompt_ids)
+                self.prefix_hits += req.cache_len
 
     # ---- prefill ---------------------------------------------------------------------------------
 
@@ -239,7 +278,8 @@ class Scheduler:
         its prompt's log-probabilities gets them once its prompt is cached. Cache lengths
         advance only once the call returned."""
         inps, fresh = [], []
-        for req, n in pieces:
+        ran = [(req, n) for req, n in pieces if n > 0]  # NOTE: 0: a context all cached
+        for req, n in ran:
             ctx, start = _context(req), req.cache_len
             first = not req.output_ids and start + n == len(ctx)
             mask = req.matcher.mask() if first and req.matcher is not None else None
@@ -247,18 +287,20 @@ class Scheduler:
                                       req.params if first else None,
                                       req.coins(1)[0] if first else 0.0, start, mask))
             fresh.append(first)
-        firsts = self.runner.prefill(inps)
+        firsts = self.runner.prefill(inps) if inps else []
         lps = (self.runner.last_logprobs if any(
-            f and r.params.logprobs is not None for (r, _), f in zip(pieces, fresh))
-            else [None] * len(pieces))
+            f and r.params.logprobs is not None for (r, _), f in zip(ran, fresh))
+            else [None] * len(ran))
         prompt_lps = [self.runner.prompt_logprobs(req.prompt_ids, list(req.pages), top)
                       if first and (top := req.params.prompt_logprobs) is not None else None
-                      for (req, _), first in zip(pieces, fresh)]
-        for (req, n), prompt_lp in zip(pieces, prompt_lps):
+                      for (req, _), first in zip(ran, fresh)]
+        out = {id(req): ([] if f is None else [f], lp) for (req, _), f, lp in zip(ran, firsts, lps)}
+        for (req, n), prompt_lp in zip(ran, prompt_lps):
             req.cache_len = req.fed = req.cache_len + n
             if prompt_lp is not None:
                 req.prompt_logprobs = prompt_lp
-        return [([] if f is None else [f], lp) for f, lp in zip(firsts, lps)]
+            self._insert(req)  # NOTE: each chunk's pages, shared from the next step on
+        return [out.get(id(req), ([], None)) for req, _ in pieces]
 
     def _logprobs(self, reqs: Sequence[Request]) -> list[list[Logprob] | None]:
         """The log-probabilities of the runner's last step over `reqs`, per row."""
@@ -379,18 +421,28 @@ class Scheduler:
         longest = 0
         while left > 0 and self.waiting and self.admitted + len(admit) < self.max_batch_size:
             req = self.waiting[0]
+            if self.cache.enabled and any(
+                    r.prompt_ids == req.prompt_ids and r.params.cache_salt == req.params.cache_salt
+                    for r in (*self.prefilling, *admit)):
+                break  # NOTE: the same prompt is being prefilled (n choices): it hits next step
             seq_len = len(req.prompt_ids) + len(req.output_ids)
-            ctx = len(_context(req))
-            if pages_needed(seq_len + self.step_span, self.page_size) > self.alloc.num_free:
+            ctx_ids = _context(req)
+            ctx = len(ctx_ids)
+            hit = self._hit(req, ctx_ids)
+            # room: free pages and evictable cached ones, less those of the hit (held, they
+            # cannot be evicted)
+            if (pages_needed(seq_len + self.step_span, self.page_size) - len(hit)
+                    > self.cache.room_with(hit)):
                 break
-            if admit and (len(admit) + 1) * max(longest, ctx) > left:
+            todo = ctx - len(hit) * self.page_size  # what its prefill computes
+            if admit and (len(admit) + 1) * max(longest, todo) > left:
                 break
             self.waiting.popleft()
-            self._grow(req, ctx)  # its pages count against the next admission
+            self._admit(req, hit, ctx)  # its pages count against the next admission
             admit.append(req)
-            longest = max(longest, ctx)
-            pieces.append((req, min(ctx, left)))
-            if ctx > left:  # a long prompt's first chunk: alone, the rest in later steps
+            longest = max(longest, todo)
+            pieces.append((req, min(todo, left)))
+            if todo > left:  # a long prompt's first chunk: alone, the rest in later steps
                 break
         return pieces
 
@@ -521,6 +573,6 @@ class Scheduler:
     def _failed(self, req: Request, err: BaseException, blamed: bool) -> StepEvent:
         """`req` ends with reason "error" (its pages freed), failed by `err`."""
         self._drop(req)
-        self._release(req)
+        self._release(req, keep=False)
         req.finish_reason = "error"
         return StepEvent(req, [], True, error=err, blamed=blamed)
