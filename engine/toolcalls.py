@@ -32,8 +32,13 @@ Tool calls (vLLM/SGLang `kimi_k2` format)::
   content: a call whose id is neither form (or has no tools to name it, or fits no single
   tool), is longer than MAX_ID_CHARS, or never reaches `<|tool_call_argument_begin|>` is
   dropped, and the calls around it are kept; text inside a section that is not a call (noise
-  before the first call, `", "` between calls, an empty or unparseable section) is dropped;
-  whitespace right after a section is dropped unless text follows. A bare
+  before the first call, `", "` between calls, an empty or unparseable section) is dropped at
+  the marker that follows it; whitespace right after a section is dropped unless text follows.
+- No text is lost to a section that never closes (the answer ran out of tokens, the model
+  wandered): the text after its last marker is content when the output ends there (unless only
+  whitespace), or as soon as it runs past MAX_SECTION_TEXT characters without a marker (the
+  section is then over), as vLLM's parser recovers; an id cut at MAX_ID_CHARS counts as such
+  text. A call cut short keeps its arguments as far as generated (above). A bare
   `<|tool_call_begin|>` outside a section opens one call as if a section had begun (K2.5 may
   emit one without the section); if that call never gets its arguments, its text is content.
   Other markers outside a section are dropped. Text after a section is content.
@@ -92,6 +97,9 @@ THINK_END = "</think>"
 
 # A call id longer than this (without <|tool_call_argument_begin|> yet) is not a call id.
 MAX_ID_CHARS = 512
+# Text inside a section that is not a call, longer than this without a marker, means the
+# section was not one (the model wandered): it is content, as vLLM's parser gives it up at 8192.
+MAX_SECTION_TEXT = 8192
 
 _ALL_MARKERS = (SECTION_BEGIN, SECTION_END, CALL_BEGIN, ARGUMENT_BEGIN, CALL_END)
 _ARGS_ENDS = (CALL_END, CALL_BEGIN, SECTION_END, SECTION_BEGIN)
@@ -312,6 +320,7 @@ class ToolCallParser:
         self._raw: list[str] = []  # arguments of a call waiting for its name
         self._args_started = False
         self._pending_ws = ""  # trailing whitespace of the arguments, held back
+        self._noise = ""  # text inside a section since its last marker, not a call (yet)
         self._content: list[str] = []  # what the current feed()/finish() produces
         self._calls: list[ToolCallDelta] = []
 
@@ -330,6 +339,10 @@ class ToolCallParser:
         self._content, self._calls = [], []
         while self._step(final):
             pass
+        if final and self._noise:  # the output ended inside a section: its text was the answer
+            if self._noise.strip():
+                self._content.append(self._noise)
+            self._noise, self._after = "", False
         return ToolParseDelta("".join(self._content), _merge(self._calls))
 
     def _text(self, text: str) -> None:
@@ -357,24 +370,21 @@ class ToolCallParser:
 
     def _step(self, final: bool) -> bool:
         buf = self._buf
-        if self._state in (_NORMAL, _OPEN):
+        if self._state == _OPEN:
+            return self._section_text(buf, final)
+        if self._state == _NORMAL:
             found = _first(buf, _ALL_MARKERS)
             if found is not None:
                 i, marker = found
-                if self._state == _NORMAL:
-                    self._text(buf[:i])
-                # else: text inside a section that is not a call (noise, separators): dropped
+                self._text(buf[:i])
                 self._buf = buf[i + len(marker) :]
                 self._marker(marker)
                 return True
             keep = 0 if final else _held_suffix(buf, _ALL_MARKERS)
-            if self._state == _NORMAL:
-                if self._after and not final and not buf[: len(buf) - keep].strip():
-                    return False  # only whitespace so far: wait for what follows it
-                self._text(buf[: len(buf) - keep])
+            if self._after and not final and not buf[: len(buf) - keep].strip():
+                return False  # only whitespace so far: wait for what follows it
+            self._text(buf[: len(buf) - keep])
             self._buf = buf[len(buf) - keep :]
-            if final:
-                self._state = _NORMAL
             return False
         if self._state == _ID:
             found = _first(buf, _ALL_MARKERS)
@@ -385,7 +395,7 @@ class ToolCallParser:
             if end > room:
                 self._id += buf[:room]
                 self._buf = buf[room:]
-                self._drop_id()
+                self._drop_id(text=True)
                 return True
             self._id += buf[:end]
             self._buf = buf[end:]
@@ -418,14 +428,42 @@ class ToolCallParser:
             self._state = _NORMAL
         return False
 
-    def _drop_id(self) -> None:
-        """The call being read never got its arguments: inside a section it is dropped; after a
-        bare <|tool_call_begin|> its text is content (the marker alone is dropped)."""
+    def _section_text(self, buf: str, final: bool) -> bool:
+        """Text inside a section, outside calls: held as noise (before the first call, between
+        calls), dropped at the next marker; content when the output ends with the section still
+        open, or once it runs past MAX_SECTION_TEXT (the section is then over)."""
+        found = _first(buf, _ALL_MARKERS)
+        end = found[0] if found is not None else len(buf) - (
+            0 if final else _held_suffix(buf, _ALL_MARKERS))
+        if len(self._noise) + end > MAX_SECTION_TEXT:
+            # NOTE: decided on the run's length alone, wherever the chunks fall
+            text, self._noise = self._noise + buf[:end], ""
+            self._buf = buf[end:]
+            self._state, self._implicit, self._after = _NORMAL, False, False
+            self._content.append(text)
+            return True
+        if found is not None:
+            self._noise = ""
+            self._buf = buf[end + len(found[1]) :]
+            self._marker(found[1])
+            return True
+        self._noise += buf[:end]
+        self._buf = buf[end:]
+        if final:
+            self._state = _NORMAL
+        return False
+
+    def _drop_id(self, text: bool = False) -> None:
+        """The call being read never got its arguments: inside a section it is dropped (its
+        `text`, when it was cut for its length, is the section's text); after a bare
+        <|tool_call_begin|> its text is content (the marker alone is dropped)."""
         if self._implicit:
             self._state, self._implicit = _NORMAL, False
             self._text(self._id)
         else:
             self._state = _OPEN
+            if text:
+                self._noise += self._id
         self._id = ""
 
     def _begin_call(self) -> None:
