@@ -165,8 +165,9 @@ class PrefixCache:
             if node is None:
                 break
             pages.append(node.page)
-            if node.page in self._lru:
-                self._lru.move_to_end(node.page)
+        for p in reversed(pages):  # NOTE: the head most recent: a tail goes before its head
+            if p in self._lru:
+                self._lru.move_to_end(p)
         return pages
 
     def insert(self, tokens: Sequence[int], pages: Sequence[int], salt: str | None,

@@ -69,9 +69,12 @@ class SpanRunner(FakeRunner):
 
 
 def scheduler(runner: FakeRunner, num_pages: int = 64, **kw) -> Scheduler:
+    """A scheduler without the prefix cache (its pages go back to the free list as requests
+    end); tests/test_prefix_cache.py runs the cached one."""
     return Scheduler(runner, num_pages=num_pages, page_size=PAGE, vocab_size=1000,
                      max_batch_size=kw.pop("max_batch_size", 4), max_model_len=200,
-                     stop_ids=frozenset([EOS]), **kw)
+                     stop_ids=frozenset([EOS]), prefix_caching=kw.pop("prefix_caching", False),
+                     **kw)
 
 
 def run(s: Scheduler) -> None:
