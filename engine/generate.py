@@ -178,7 +178,8 @@ class Output:
     def line(o: GenerationOutput) -> str:
         return json.dumps({"index": o.index, "text": o.text, "token_ids": o.token_ids,
                            "finish_reason": o.finish_reason, "num_steps": o.num_steps,
-                           "accept_lengths": o.accept_lengths}) + "\n"
+                           "accept_lengths": o.accept_lengths,
+                           "cached_tokens": o.cached_tokens}) + "\n"
 
     def add(self, o: GenerationOutput) -> None:
         self.file.write(self.line(o))
@@ -236,7 +237,9 @@ def _generate(a: argparse.Namespace, llm: Any, items: list[tuple[dict[str, Any],
     phases = ", ".join(f"{k} {v:.2f}s" for k, v in s["phase_seconds"].items())
     print(f"{s['prompts']} prompts, {s['tokens']} tokens in {s['seconds']:.2f}s: "
           f"{s['tokens_per_s']:.1f} tokens/s, mean accepted length {s['mean_accept_len']:.2f} "
-          f"per step over {s['steps']} steps\ntime per phase: {phases}\nwrote {out.path}",
+          f"per step over {s['steps']} steps; {s['cached_tokens']} prompt tokens from the "
+          f"prefix cache, {s['prefill_tokens']} prefilled\ntime per phase: {phases}\n"
+          f"wrote {out.path}",
           file=sys.stderr)
     return 0
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from engine.config import pages_needed  # noqa: F401 - the pool's unit, named here too
@@ -84,8 +85,9 @@ class KVPool:
         device: str | torch.device = "cpu",
     ) -> KVPool:
         slots = num_pages * page_size
-        target = torch.zeros(target_layers, slots, target_dim, dtype=dtype, device=device)
-        draft = (torch.zeros(draft_layers, slots, draft_dim, dtype=dtype, device=device)
+        zeros = _lazy_zeros if torch.device(device).type == "cpu" else torch.zeros
+        target = zeros(target_layers, slots, target_dim, dtype=dtype, device=device)
+        draft = (zeros(draft_layers, slots, draft_dim, dtype=dtype, device=device)
                  if draft_layers else None)
         return cls(page_size, num_pages, target, draft)
 
@@ -98,3 +100,13 @@ class KVPool:
                 f"KV budget of {budget_bytes} bytes holds {n} pages of {page_size} tokens "
                 f"({bytes_per_token} bytes per token); need at least 2")
         return int(n)
+
+
+def _lazy_zeros(*shape: int, dtype: torch.dtype, device: str | torch.device) -> torch.Tensor:
+    """Zeros on the CPU whose memory is taken only as it is written: numpy's zeros come from
+    calloc, which maps fresh zero pages (torch's zeros writes every byte). So a pool sized for
+    the prefix cache costs its pages as they fill, not all at start."""
+    n = int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size()
+    if n == 0:
+        return torch.zeros(*shape, dtype=dtype, device=device)
+    return torch.from_numpy(np.zeros(n, np.uint8)).view(dtype).view(*shape)

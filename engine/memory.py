@@ -10,10 +10,13 @@ The rule, vLLM's `--gpu-memory-utilization`:
     used       = what is already taken when the pool is sized: the weights, and on CUDA
                  everything `mem_get_info` shows in use (CUDA context, NCCL, other processes)
     reserve    = what the engine still allocates after the pool (`activation_reserve`)
-    pages      = pool bytes // (page_size x KV bytes per token), at most
-                 1 + max_batch_size x pages per context (every slot at full context: more is
-                 waste), at least 1 + pages per context (the dummy page and one full
-                 `max_model_len` context), else `KVMemoryError` naming the knobs.
+    pages      = pool bytes // (page_size x KV bytes per token), at least 1 + pages per
+                 context (the dummy page and one full `max_model_len` context), else
+                 `KVMemoryError` naming the knobs.
+
+With the prefix cache (on by default) every page the memory holds is used: pages past every
+batch slot at full context keep cached prefixes (`PoolSize.cache_tokens`). Without it the pool
+is capped at 1 + max_batch_size x pages per context: more would never be written.
 """
 
 from __future__ import annotations
@@ -205,23 +208,33 @@ class PoolSize:
     def pool_bytes(self) -> int:
         return self.num_pages * self.page_size * self.bytes_per_token
 
+    @property
+    def cache_tokens(self) -> int:
+        """Tokens the pool holds past every batch slot at full context: room that only the
+        prefix cache uses."""
+        return max(self.num_pages - self.cap_pages, 0) * self.page_size
+
     def describe(self) -> str:
         why = ("set by --kv-pages" if self.source != "memory" else
                "capped at every batch slot at full context" if self.num_pages == self.cap_pages
+               and self.fit_pages > self.cap_pages
                else f"from {gb(self.budget_bytes)} budget - {gb(self.used_bytes)} used - "
                     f"{gb(self.reserve_bytes)} reserve")
+        room = (f"; {self.cache_tokens:,} tokens past every batch slot at full context keep "
+                f"cached prefixes" if self.cache_tokens else "")
         return (f"KV pool: {self.tokens:,} tokens ({self.num_pages - 1:,} pages of "
                 f"{self.page_size}, {gb(self.pool_bytes)}), {self.contexts} full "
                 f"{self.max_model_len:,}-token context{'s' if self.contexts != 1 else ''} "
-                f"({why})")
+                f"({why}{room})")
 
 
 def size_kv_pool(*, budget_bytes: int, used_bytes: int, reserve_bytes: int,
                  bytes_per_token: int, page_size: int, max_model_len: int,
                  pages_per_context: int, max_batch_size: int, budget_flag: str = "",
-                 tp: int = 1) -> PoolSize:
+                 tp: int = 1, prefix_caching: bool = True) -> PoolSize:
     """The module's rule. `pages_per_context`: a full `max_model_len` context plus the widest
-    step's span, in pages. `budget_flag` says where the budget came from (for the error)."""
+    step's span, in pages. `budget_flag` says where the budget came from (for the error).
+    Without `prefix_caching` the pool is capped at every batch slot at full context."""
     if bytes_per_token <= 0 or page_size <= 0 or pages_per_context <= 0:
         raise ValueError("bytes_per_token, page_size and pages_per_context must be positive")
     room = budget_bytes - used_bytes - reserve_bytes
@@ -241,14 +254,16 @@ def size_kv_pool(*, budget_bytes: int, used_bytes: int, reserve_bytes: int,
                 f"pass the budget by {gb(-room)}), so ") +
             f"raise --tp (now {tp}: the weights split over more GPUs) or raise "
             f"--gpu-memory-utilization (or --cpu-memory-budget on the CPU)")
-    return PoolSize(min(fit, cap), page_size, bytes_per_token, pages_per_context,
-                    max_model_len, fit, cap, budget_bytes, used_bytes, reserve_bytes)
+    return PoolSize(fit if prefix_caching else min(fit, cap), page_size, bytes_per_token,
+                    pages_per_context, max_model_len, fit, cap, budget_bytes, used_bytes,
+                    reserve_bytes)
 
 
 def engine_pool(mc: Any, *, kv_pages: int | None, budget_bytes: int | None, used_bytes: int,
                 budget_flag: str, tp: int, max_batch_size: int, step_rows: int,
                 prefill_tokens: int, dtype_bytes: int, cuda: bool, bytes_per_token: int,
-                page_size: int, max_model_len: int, pages_per_context: int
+                page_size: int, max_model_len: int, pages_per_context: int,
+                prefix_caching: bool = True
                 ) -> tuple[Reserve, PoolSize | None, KVMemoryError | None]:
     """What the engine sizes once its weights are loaded (`engine.llm.LLM`, and `graphs.plan`
     with planned numbers): its `activation_reserve` for `mc` and the KV pool, `kv_pages` pages
@@ -268,6 +283,6 @@ def engine_pool(mc: Any, *, kv_pages: int | None, budget_bytes: int | None, used
             budget_bytes=budget_bytes, used_bytes=used_bytes, reserve_bytes=reserve.total,
             bytes_per_token=bytes_per_token, page_size=page_size, max_model_len=max_model_len,
             pages_per_context=pages_per_context, max_batch_size=max_batch_size,
-            budget_flag=budget_flag, tp=tp), None
+            budget_flag=budget_flag, tp=tp, prefix_caching=prefix_caching), None
     except KVMemoryError as e:
         return reserve, None, e

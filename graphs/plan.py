@@ -422,6 +422,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--budget", type=int, default=None,
                     help="tree budget of the captured steps (default: the engine's, the shipped "
                          "CUDA budget policy)")
+    ap.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching",
+                    action="store_false", help="size the pool as the engine does without the "
+                    "prefix cache: at most every batch slot at full context")
     ap.add_argument("--kv-pages", type=int, default=None,
                     help="the engine's flag: the KV pool's pages (default: sized from memory)")
     ap.add_argument("--prefill-chunk", type=int, default=None,
@@ -505,7 +508,7 @@ def sizing(a: argparse.Namespace, models: Models, dtype: torch.dtype, gpu_memory
         max_batch_size=max_batch_size, step_rows=widest.num_nodes + shape.block_size,
         prefill_tokens=chunk, dtype_bytes=torch.finfo(dtype).bits // 8, cuda=True,
         bytes_per_token=kv_token, page_size=a.page_size, max_model_len=max_len,
-        pages_per_context=max_pages)
+        pages_per_context=max_pages, prefix_caching=a.enable_prefix_caching)
     return Sizing(shape, budgets, widest, max_len, a.page_size, max_pages, max_batch_size, chunk,
                   weights, kv_token, reserve, used, budget, flag, pool, str(err) if err else None)
 
@@ -578,6 +581,7 @@ def memory(a: argparse.Namespace, models: Models, group: CountingGroup | None,
             "gpu_memory_bytes": gpu_memory, "kv_room_bytes": room,
             "kv_pages": z.pool.num_pages if z.pool else 0,
             "kv_tokens": z.pool.tokens if z.pool else 0,
+            "kv_cache_tokens": z.pool.cache_tokens if z.pool else 0,
             "kv_pool_bytes": z.pool.pool_bytes if z.pool else 0,
             "full_context_requests": z.pool.contexts if z.pool else 0, "fits": fits,
             "knob": knob, "kv_error": z.error, "reserve_warnings": warnings,
@@ -796,6 +800,10 @@ def memory_table(r: dict[str, Any]) -> str:
         f"{r['full_context_requests']} full {r['max_model_len']:,}-token contexts at "
         f"--gpu-memory-utilization {r['gpu_memory_utilization']}, --max-batch-size "
         f"{r['max_batch_size']}",
+        f"  prefix cache room  {r['kv_cache_tokens']:,} tokens past every batch slot at full "
+        f"context" + ("" if r["kv_cache_tokens"] else " (none: the batch's contexts take the "
+                                                        "whole pool; cached prefixes live in "
+                                                        "pages no request holds)"),
         f"  fits               {'yes' if r['fits'] else 'no: ' + r['knob']}",
         *(f"  warning            {w}" for w in r["reserve_warnings"]),
     ]

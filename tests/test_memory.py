@@ -50,10 +50,17 @@ def test_the_pool_takes_what_is_left_after_used_and_reserve():
     assert "1,584 tokens" in s.describe() and "1 full 1,000-token context " in s.describe()
 
 
-def test_the_pool_is_capped_at_every_slot_at_full_context():
-    s = size(10**12)
+def test_without_the_prefix_cache_the_pool_is_capped_at_every_slot_at_full_context():
+    s = size(10**12, prefix_caching=False)
     assert s.num_pages == s.cap_pages == 1 + 8 * 64 and s.fit_pages > s.cap_pages
-    assert s.contexts == 8 and "capped" in s.describe()
+    assert s.contexts == 8 and "capped" in s.describe() and s.cache_tokens == 0
+
+
+def test_with_the_prefix_cache_the_pool_takes_what_memory_holds():
+    s = size(15_000_000 + 900 * PAGE_BYTES)
+    assert s.num_pages == s.fit_pages == 900 > s.cap_pages == 1 + 8 * 64
+    assert s.cache_tokens == (900 - 513) * 16
+    assert f"{s.cache_tokens:,} tokens past every batch slot" in s.describe()
 
 
 def test_the_least_pool_is_the_dummy_page_and_one_context():
@@ -112,7 +119,8 @@ def test_no_room_for_one_context_stops_before_the_weights_load(monkeypatch):
 
 
 def test_a_pool_smaller_than_the_batch_gives_every_request_its_tokens_alone(capsys):
-    big = llm_mod.LLM(max_model_len=64, cpu_memory_budget="8GB", progress=True, warm_up=False)
+    big = llm_mod.LLM(max_model_len=64, cpu_memory_budget="8GB", progress=True, warm_up=False,
+                      enable_prefix_caching=False)
     s = big.kv_size
     assert s.num_pages == s.cap_pages and s.source == "memory"
     assert f"KV pool: {s.tokens:,} tokens" in capsys.readouterr().err

@@ -431,8 +431,11 @@ def build_app(llm: Any, served_model_name: str, max_queue: int = 256,
             """A response or chunk; `usage` once known (null in earlier chunks, when asked)."""
             out = {**head, "choices": choices}
             if n is not None or body.include_usage:
+                # NOTE: the prompt counts once, its cached tokens as choice 0's (the others
+                # hit the pages it prefilled)
                 out["usage"] = None if n is None else {
-                    "prompt_tokens": len(ids), "completion_tokens": n, "total_tokens": len(ids) + n}
+                    "prompt_tokens": len(ids), "completion_tokens": n, "total_tokens": len(ids) + n,
+                    "prompt_tokens_details": {"cached_tokens": handles[0].req.cached_tokens}}
             return out
 
         tok = model.tokenizer

@@ -20,6 +20,11 @@ class Metrics:
         self.prompt_tokens = c("kimi_prompt_tokens", "Prompt tokens of accepted requests.")
         self.generated = c("kimi_generation_tokens", "Generated tokens.")
         self.preemptions = c("kimi_preemptions", "Requests preempted for KV pages.")
+        self.prefix_queries = c("kimi_prefix_cache_queries", "Prompt tokens looked up in the "
+                                "prefix cache (at each request's first admission).")
+        self.prefix_hits = c("kimi_prefix_cache_hits", "Prompt tokens found in the prefix cache "
+                             "(not prefilled again).")
+        self.evicted = c("kimi_prefix_cache_evicted_pages", "Cached KV pages evicted for room.")
         self.steps = c("kimi_engine_steps", "Scheduler steps.")
         self.step_seconds = c("kimi_engine_step_seconds", "Wall time in scheduler steps.")
         self.phase_seconds = c("kimi_step_phase_seconds", "Wall time per step phase.", "phase")
@@ -30,6 +35,8 @@ class Metrics:
         self.running = Gauge("kimi_running_requests", "Requests in the running batch.", registry=r)
         self.kv_pages_free = Gauge("kimi_kv_pages_free", "Free KV cache pages.", registry=r)
         self.kv_pages_total = Gauge("kimi_kv_pages_total", "Usable KV cache pages.", registry=r)
+        self.kv_pages_cached = Gauge("kimi_kv_pages_cached", "KV pages the prefix cache holds.",
+                                     registry=r)
 
     def instrument(self, app: FastAPI) -> None:
         Instrumentator(should_group_status_codes=False, registry=self.registry).add(

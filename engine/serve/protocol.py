@@ -157,6 +157,9 @@ class _Request(_Strict):
     # (`_bias_shape`); ids past the vocabulary are refused with the request's limits
     # (`engine.request.Limits`), which know it
     logit_bias: dict[str, LogitBias] | None = None
+    # vLLM's: requests share cached prefixes only with the same salt (set it per tenant, at the
+    # trust boundary: a proxy, not the client)
+    cache_salt: Annotated[str, Field(min_length=1, max_length=256)] | None = None
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -215,7 +218,7 @@ class _Request(_Strict):
         logprobs, prompt_logprobs = self.logprob_counts()
         return SamplingParams(**same, max_new_tokens=max_new_tokens, stop=tuple(stop),
                               logit_bias=bias, logprobs=logprobs,
-                              prompt_logprobs=prompt_logprobs)
+                              prompt_logprobs=prompt_logprobs, cache_salt=self.cache_salt)
 
 
 class CompletionRequest(_Request):

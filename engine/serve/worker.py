@@ -61,10 +61,11 @@ class ClientGone(Exception):
 class Report:
     """What the core tells the HTTP side after a step (or after commands changed its state):
     `items` per request id, ("tokens", new_ids, finish_reason | None, text_end, logprobs,
-    pieces, prompt_logprobs) or ("error", message), in the order the engine made them; the
-    engine's `snapshot` after them; and its counters' increments (`counts`: steps,
+    pieces, prompt_logprobs, cached_tokens) or ("error", message), in the order the engine
+    made them; the engine's `snapshot` after them; and its counters' increments (`counts`: steps,
     step_seconds, generated, accepted (each row's tokens a step), finished (by reason),
-    preemptions, phases (seconds by step phase))."""
+    preemptions, prefix_queries / prefix_hits (prompt tokens looked up in the prefix cache, and
+    found), evicted (pages), phases (seconds by step phase))."""
 
     items: list[tuple[int, Item]]
     snapshot: dict[str, int]
@@ -156,7 +157,8 @@ def merge(items: list[Item]) -> Item:
         return [v for part in parts for v in part] if parts else None
 
     plp = next((x[6] for x in items if x[6] is not None), None)
-    return ("tokens", joined(1), items[-1][2], items[-1][3], joined(4), joined(5), plp)
+    cached = next((x[7] for x in items if x[7] is not None), None)
+    return ("tokens", joined(1), items[-1][2], items[-1][3], joined(4), joined(5), plp, cached)
 
 
 # ---- the core: the scheduler's thread ------------------------------------------------------------
@@ -252,11 +254,13 @@ class Core:
                           exc_info=ev.error)
                 items.append((rid, ("error", BLAMED if ev.blamed else UNATTRIBUTED)))
             elif ev.new_ids or ev.finished:
-                # the prompt's log-probabilities come with its prefill's event (its first
-                # tokens; a recomputed prompt's prefill makes none)
+                # the prompt's log-probabilities and its cached tokens come with its
+                # prefill's event (its first tokens; a recomputed prompt's prefill makes none)
+                prefilled = ev.emitted == 0
                 items.append((rid, ("tokens", list(ev.new_ids), reason, req.text_end,
                                     ev.logprobs, ev.pieces,
-                                    req.prompt_logprobs if ev.emitted == 0 else None)))
+                                    req.prompt_logprobs if prefilled else None,
+                                    req.cached_tokens if prefilled else None)))
         counts.update(generated=generated, accepted=accepted)
 
     def _fail_all(self, message: str) -> None:
@@ -270,13 +274,17 @@ class Core:
         self._report(items, {})
 
     def _totals(self) -> dict[str, float]:
-        return {"preemptions": self.sched.num_preemptions, **self.llm.timer.totals}
+        s = self.sched
+        return {"preemptions": s.num_preemptions, "prefix_queries": s.prefix_queries,
+                "prefix_hits": s.prefix_hits, "evicted": s.cache.evicted,
+                **self.llm.timer.totals}
 
     def _snapshot(self) -> dict[str, int]:
+        # NOTE: free pages are those an admission can have: cached ones no request holds too
         s = self.sched
         return {"running": s.admitted, "waiting": len(s.waiting),
-                "kv_pages_free": s.alloc.num_free, "kv_pages_total": s.alloc.capacity,
-                "preemptions": s.num_preemptions}
+                "kv_pages_free": s.cache.available, "kv_pages_total": s.alloc.capacity,
+                "kv_pages_cached": s.cache.cached, "preemptions": s.num_preemptions}
 
     def _report(self, items: list[tuple[int, Item]], counts: dict[str, Any]) -> None:
         """Emits the items, the state after them and the counters' increments since the last
@@ -284,8 +292,9 @@ class Core:
         snapshot, now = self._snapshot(), self._totals()
         moved = {k: v - self._seen.get(k, 0) for k, v in now.items() if v != self._seen.get(k, 0)}
         self._seen = now
-        if "preemptions" in moved:
-            counts["preemptions"] = moved.pop("preemptions")
+        for k in ("preemptions", "prefix_queries", "prefix_hits", "evicted"):
+            if k in moved:
+                counts[k] = moved.pop(k)
         if moved:
             counts["phases"] = moved
         if items or counts or snapshot != self.snapshot:
@@ -463,7 +472,7 @@ class Engine:
 
     def _set_snapshot(self, snapshot: dict[str, int]) -> None:
         self.snapshot = snapshot
-        for k in ("running", "kv_pages_free", "kv_pages_total"):
+        for k in ("running", "kv_pages_free", "kv_pages_total", "kv_pages_cached"):
             getattr(self.metrics, k).set(snapshot[k])
 
     def _report(self, rep: Report) -> None:
@@ -477,8 +486,9 @@ class Engine:
             m.generated.inc(c["generated"])
         for reason, n in c.get("finished", {}).items():
             m.finished.labels(reason).inc(n)
-        if "preemptions" in c:
-            m.preemptions.inc(c["preemptions"])
+        for k in ("preemptions", "prefix_queries", "prefix_hits", "evicted"):
+            if k in c:
+                getattr(m, k).inc(c[k])
         for phase, seconds in c.get("phases", {}).items():
             m.phase_seconds.labels(phase).inc(seconds)
         # The state before the tokens: a client that saw its request finish must then see its
@@ -492,6 +502,8 @@ class Engine:
                 continue
             if item[6] is not None:
                 h.req.prompt_logprobs = item[6]
+            if item[7] is not None:
+                h.req.cached_tokens = item[7]
             if item[2] is None and not h.stream:
                 h._held.append(item)  # NOTE: merged once, with the last
                 continue
