@@ -9,11 +9,12 @@ declared on the fields, and the server's request bodies reuse the same field typ
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
 import re
 import types
 import typing
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Annotated, Any, Literal, Union
@@ -28,6 +29,7 @@ from pydantic import (
     model_validator,
 )
 from pydantic.dataclasses import dataclass as checked_dataclass
+from pydantic_core import ArgsKwargs
 
 from engine.memory import CPU_MEMORY_SHARE, GPU_MEMORY_UTILIZATION, parse_size
 from ops.yarn import yarn_m
@@ -442,10 +444,100 @@ MemorySize = Annotated[
     AfterValidator(lambda v: (parse_size(v), v)[1])]
 
 
+# A stop string alone, or stop strings in a list, as vLLM takes them; bias as vLLM's dict too.
+_STOPS = BeforeValidator(lambda v: (v,) if isinstance(v, str) else tuple(v)
+                         if isinstance(v, list) else v)
+_BIAS = BeforeValidator(lambda v: tuple(sorted(v.items())) if isinstance(v, dict) else tuple(
+    tuple(p) if isinstance(p, list) else p for p in v) if isinstance(v, list) else v)
+
+
+def _unset(v: Any) -> bool:
+    return v is None or (isinstance(v, (list, tuple, dict)) and not v)
+
+
+@dataclass(frozen=True)
+class VLLMNames:
+    """The keyword arguments a class takes beyond its fields, so that vLLM's code ports by
+    changing its import: vLLM's names of the same knobs (`aliases`, with how a value reads
+    here), and vLLM's knobs this engine does not implement (`neutral`: accepted at the value
+    that changes nothing, refused at any other with why). Any other name is refused with a
+    TypeError naming it, and the closest known name when one is close."""
+
+    owner: str
+    aliases: Mapping[str, tuple[str, Callable[[Any], Any]]]
+    neutral: Mapping[str, tuple[Callable[[Any], bool], str]]
+
+    def canonical(self, kwargs: Mapping[str, Any], fields: Any, others: tuple[str, ...] = (),
+                  owner: str | None = None) -> dict[str, Any]:
+        """`kwargs` in this engine's names (`fields` and `others` are its own)."""
+        owner = owner or self.owner
+        out: dict[str, Any] = {}
+        for k, v in kwargs.items():
+            if k in fields or k in others:
+                out[k] = v
+            elif k in self.aliases:
+                ours, read = self.aliases[k]
+                if ours in kwargs:
+                    raise TypeError(f"{owner}() got both {k!r} (vLLM's name) and {ours!r} (this "
+                                    f"engine's) for the same knob: give one")
+                out[ours] = read(v)
+            elif k in self.neutral:
+                unchanged, why = self.neutral[k]
+                if not unchanged(v):
+                    raise ValueError(f"{k}={v!r} is not supported: {why}")
+            else:
+                known = [*fields, *others, *self.aliases, *self.neutral]
+                close = difflib.get_close_matches(k, known, n=1, cutoff=0.7)
+                hint = ""
+                if close:
+                    name = close[0]
+                    ours = self.aliases[name][0] if name in self.aliases else None
+                    hint = f"; did you mean {name}" + (f" ({ours} here)" if ours else "") + "?"
+                raise TypeError(f"{owner}() got an unexpected keyword argument {k!r}{hint}")
+        return out
+
+    def before(self, cls: type, v: Any) -> Any:
+        """A `model_validator(mode="before")` body for the pydantic dataclass `cls`."""
+        if isinstance(v, ArgsKwargs) and v.kwargs:
+            return ArgsKwargs(v.args, self.canonical(v.kwargs, cls.__pydantic_fields__))
+        return v
+
+
+def _same(v: Any) -> Any:
+    return v
+
+
+SAMPLING_NAMES = VLLMNames("SamplingParams", aliases={
+    "max_tokens": ("max_new_tokens", _same),
+}, neutral={
+    "presence_penalty": (lambda v: v == 0, "no penalties here (only 0)"),
+    "frequency_penalty": (lambda v: v == 0, "no penalties here (only 0)"),
+    "repetition_penalty": (lambda v: v == 1, "no penalties here (only 1)"),
+    "min_p": (lambda v: v == 0, "no min-p here (only 0): use top_p or top_k"),
+    "min_tokens": (lambda v: v == 0, "only 0 (use ignore_eos to run to max_tokens)"),
+    "stop_token_ids": (_unset, "the model's own end-of-sequence ids stop every request; use "
+                               "stop strings"),
+    "bad_words": (_unset, "use logit_bias"),
+    "allowed_token_ids": (_unset, "use logit_bias or a grammar"),
+    "best_of": (lambda v: v in (None, 1), "every choice is returned: use n"),
+    "include_stop_str_in_output": (lambda v: v is False, "the stop string is always cut"),
+    "skip_special_tokens": (lambda v: v is True, "special tokens never reach the text"),
+    "spaces_between_special_tokens": (lambda v: v is True, "special tokens leave no text"),
+    "detokenize": (lambda v: v is True, "the text is always decoded"),
+    "truncate_prompt_tokens": (_unset, "a prompt is never cut"),
+    "logits_processors": (_unset, "use logit_bias or a grammar"),
+    "structured_outputs": (_unset, "give an llguidance grammar as grammar"),
+    "guided_decoding": (_unset, "give an llguidance grammar as grammar"),
+    "extra_args": (_unset, "no extensions"),
+})
+
+
 @checked_dataclass(frozen=True, config=_STRICT)
 class SamplingParams:
     """Per-request sampling. temperature 0 (or below SAMPLING_EPS) means greedy; top_k -1 (or 0,
-    or at least the vocabulary) means no top-k."""
+    or at least the vocabulary) means no top-k. vLLM's names are taken too (`SAMPLING_NAMES`:
+    `max_tokens`; its knobs not implemented here at their neutral values); any other argument
+    raises a TypeError naming it. `stop` takes a string or a list."""
 
     temperature: Temperature = Field(0.0, description="0: greedy")
     top_p: TopP = Field(1.0, description="nucleus mass kept (1: off)")
@@ -453,9 +545,9 @@ class SamplingParams:
     max_new_tokens: Annotated[int, Field(ge=1)] = Field(64, description="tokens to generate")
     seed: Seed | None = Field(None, description="seed of the request's coins")
     ignore_eos: bool = Field(False, description="keep going past end-of-sequence tokens")
-    stop: tuple[StopString, ...] = Field((), description="stop strings")
+    stop: Annotated[tuple[StopString, ...], _STOPS] = Field((), description="stop strings")
     # Not flags of `engine.generate`: set by the server or the Python API.
-    logit_bias: Annotated[tuple[tuple[TokenId, LogitBias], ...],
+    logit_bias: Annotated[tuple[tuple[TokenId, LogitBias], ...], _BIAS,
                           Field(max_length=MAX_LOGIT_BIAS)] = Field(
         (), description="(token id, bias) pairs: the bias is added to the token's logit before "
                         "each token is chosen, greedy or sampled", json_schema_extra=_NO_FLAG)
@@ -472,6 +564,14 @@ class SamplingParams:
         None, description="enters the prefix cache's key of the request's first page: only "
                           "requests with the same salt share cached prefixes (vLLM's field; set "
                           "it at the trust boundary, per tenant)", json_schema_extra=_NO_FLAG)
+    n: Annotated[int, Field(ge=1)] = Field(
+        1, description="choices per prompt (`engine.llm.LLM.generate`: choice i samples with "
+                       "seed + i)", json_schema_extra=_NO_FLAG)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _vllm_names(cls, v: Any) -> Any:
+        return SAMPLING_NAMES.before(cls, v)
 
     @field_validator("logit_bias")
     @classmethod
@@ -485,6 +585,14 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature < SAMPLING_EPS or self.top_k == 1
+
+
+def choice_seed(seed: int | None, i: int) -> int | None:
+    """Choice i's seed: seed + i (vLLM's rule), wrapping past the largest seed to 0; None
+    (no seed) stays None: each choice then draws its own random seed."""
+    if seed is None:
+        return None
+    return seed + i if seed + i <= MAX_SEED else seed + i - MAX_SEED - 1
 
 
 @dataclass(frozen=True)
@@ -504,11 +612,29 @@ def pages_needed(num_tokens: int, page_size: int) -> int:
     return -(-num_tokens // page_size)
 
 
+ENGINE_NAMES = VLLMNames("EngineConfig", aliases={
+    "max_num_seqs": ("max_batch_size", _same),
+    "tensor_parallel_size": ("tp", _same),
+    "block_size": ("page_size", _same),
+    "num_gpu_blocks_override": ("kv_pages", _same),
+    "enforce_eager": ("use_graphs", lambda v: False if v is True else None),
+}, neutral={
+    "trust_remote_code": (lambda v: isinstance(v, bool), "a bool (no remote code runs here)"),
+    "tokenizer": (_unset, "the model directory's tokenizer is used"),
+    "pipeline_parallel_size": (lambda v: v == 1, "only tensor parallelism (tensor_parallel_size)"),
+    "data_parallel_size": (lambda v: v == 1, "run one engine per replica"),
+    "quantization": (_unset, "the checkpoint's config.json says how its weights are stored"),
+    "kv_cache_dtype": (lambda v: v == "auto", "the cache takes the model's dtype"),
+    "seed": (_unset, "this engine has no global seed: give SamplingParams(seed=...)"),
+})
+
+
 @checked_dataclass(frozen=True, config=_STRICT)
 class EngineConfig:
     """Every engine knob, validated once. `add_cli_args` turns these fields into the flags of
     `engine.generate`, `engine.serve` and `graphs.profile`, so all three share names, help and
-    defaults."""
+    defaults. vLLM's names are taken too (`ENGINE_NAMES`: `max_num_seqs`,
+    `tensor_parallel_size`, ...); any other argument raises a TypeError naming it."""
 
     model: str | None = Field(None, description="target checkpoint dir (default: the bundled "
                                                 "model)")
@@ -576,6 +702,11 @@ class EngineConfig:
                           "the same prefix (an agent's next turn prefills only its new tokens)")
     # Not a flag: None lets the runner use CUDA graphs exactly when the device is CUDA.
     use_graphs: bool | None = Field(None, json_schema_extra={"cli": False})
+
+    @model_validator(mode="before")
+    @classmethod
+    def _vllm_names(cls, v: Any) -> Any:
+        return ENGINE_NAMES.before(cls, v)
 
     @model_validator(mode="after")
     def _one_budget_source(self) -> EngineConfig:

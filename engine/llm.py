@@ -1,4 +1,10 @@
-"""Offline API: `LLM(model, draft).generate(prompts, SamplingParams(...))`."""
+"""Offline API: `LLM(model, draft).generate(prompts, SamplingParams(...))` and
+`LLM.chat(messages, SamplingParams(...), tools=...)`, in vLLM's names and shapes: a vLLM offline
+script ports by changing its import (`from engine import LLM, SamplingParams`). vLLM's keyword
+arguments are taken (`tensor_parallel_size`, `max_num_seqs`, `max_tokens`, `n`, ...:
+`engine.config.ENGINE_NAMES`, `SAMPLING_NAMES`), unknown ones refused with a TypeError naming
+them; each output has vLLM's `.outputs[i].text`, `.token_ids`, `.finish_reason` and
+`.prompt_token_ids`."""
 
 from __future__ import annotations
 
@@ -13,7 +19,14 @@ from typing import Any
 
 import torch
 
-from engine.config import DEFAULT_BUDGET, EngineConfig, ModelConfig, SamplingParams
+from engine.config import (
+    DEFAULT_BUDGET,
+    ENGINE_NAMES,
+    EngineConfig,
+    ModelConfig,
+    SamplingParams,
+    choice_seed,
+)
 from engine.cpu import gemm_layout
 from engine.dist import Group
 from engine.grammar import Grammars
@@ -49,6 +62,7 @@ DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfl
           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
 
 Prompt = str | Sequence[int] | dict[str, Any]
+Message = dict[str, Any]
 
 
 def model_pair(model: str | Path | None, draft: str | Path | None) -> tuple[Path, Path | None]:
@@ -172,6 +186,17 @@ def check_fits(cfg: EngineConfig, device: torch.device, dtype: torch.dtype,
                  max_batch_size=cfg.max_batch_size, budget_flag=budget[2], tp=cfg.tp)
 
 
+def one_or_many(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+    """`generate`'s prompts as a list: a lone prompt (a string, a dict, a list of token ids) is
+    one prompt, as in vLLM, not a sequence of them (a string's characters)."""
+    if isinstance(prompts, (str, dict)):
+        return [prompts]
+    items = list(prompts)
+    if items and all(isinstance(t, int) and not isinstance(t, bool) for t in items):
+        return [items]
+    return items
+
+
 class PromptError(ValueError):
     """Prompt `index` of a `generate` call cannot run (nothing ran)."""
 
@@ -194,6 +219,39 @@ class GenerationOutput:
     logprobs: list[Logprob] | None = None
     prompt_logprobs: list[Logprob | None] | None = None
     cached_tokens: int = 0  # prompt tokens the prefix cache held (not prefilled again)
+    # The prompt's other choices (`SamplingParams.n`), in order: choice 0 is the fields above.
+    more: list[CompletionOutput] = field(default_factory=list)
+    prompt: str | None = None  # the prompt's text, when it was given as text
+
+    # ---- vLLM's RequestOutput --------------------------------------------------------------
+
+    @property
+    def outputs(self) -> list[CompletionOutput]:
+        """Every choice (one unless `n`), as vLLM's `RequestOutput.outputs`."""
+        first = CompletionOutput(0, self.text, self.token_ids, self.finish_reason,
+                                 self.logprobs, self.num_steps, self.accept_lengths)
+        return [first, *self.more]
+
+    @property
+    def request_id(self) -> str:
+        return str(self.index)
+
+    @property
+    def finished(self) -> bool:
+        return True
+
+
+@dataclass
+class CompletionOutput:
+    """One choice of a prompt, as vLLM's `CompletionOutput`."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    logprobs: list[Logprob] | None = None
+    num_steps: int = 0
+    accept_lengths: list[int] = field(default_factory=list)
 
 
 class LLM:
@@ -203,11 +261,16 @@ class LLM:
     step's kernels keep the torch threads they were compiled with (followers still capture).
     `threads`: the torch threads that thread runs with, when not this one's; on the CPU they
     run the steps, and compiled steps over more token rows than a few run on all of them
-    (`engine.cpu.CompiledCPUSteps.threads_for`)."""
+    (`engine.cpu.CompiledCPUSteps.threads_for`). vLLM's names of the engine knobs are taken
+    (`tensor_parallel_size`, `max_num_seqs`, ...: `engine.config.ENGINE_NAMES`); an unknown
+    keyword raises a TypeError naming it."""
 
     def __init__(self, model: str | Path | None = None, draft: str | Path | None = None,
                  *, progress: bool = True, config: EngineConfig | None = None,
                  warm_up: bool = True, threads: int | None = None, **engine: Any):
+        engine = ENGINE_NAMES.canonical(
+            engine, EngineConfig.__pydantic_fields__,
+            others=("model", "draft", "progress", "config", "warm_up", "threads"), owner="LLM")
         paths = {k: str(v) for k, v in (("model", model), ("draft", draft)) if v is not None}
         if config is None:
             config = EngineConfig(**paths, **engine)
@@ -316,11 +379,16 @@ class LLM:
     # ---- prompts -----------------------------------------------------------------------------
 
     def encode_prompt(self, prompt: Prompt) -> list[int]:
+        """A prompt's token ids: text, token ids, or a dict of one of `prompt`,
+        `prompt_token_ids` (vLLM's TextPrompt, TokensPrompt) or `messages` (a conversation, with
+        `tools`, `chat_template_kwargs` and `add_generation_prompt` for the chat template)."""
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
                 return list(prompt["prompt_token_ids"])
             if "messages" in prompt:
-                return self._tok().apply_chat_template(prompt["messages"])
+                return self._tok().apply_chat_template(
+                    prompt["messages"], prompt.get("add_generation_prompt", True),
+                    prompt.get("tools"), **(prompt.get("chat_template_kwargs") or {}))
             if "prompt" in prompt:
                 return self._tok().encode(prompt["prompt"])
             raise ValueError("a prompt dict needs 'prompt', 'prompt_token_ids' or 'messages'")
@@ -352,18 +420,22 @@ class LLM:
 
     # ---- generation --------------------------------------------------------------------------
 
-    def generate(self, prompts: Sequence[Prompt],
+    def generate(self, prompts: Prompt | Sequence[Prompt],
                  params: SamplingParams | Sequence[SamplingParams] | None = None,
                  progress: bool = False,
-                 on_output: Callable[[GenerationOutput], None] | None = None
-                 ) -> list[GenerationOutput]:
-        """Generate for every prompt; `on_output` sees each result as soon as it is finished
-        (in finishing order). Under tensor parallelism every rank calls this: rank 0 (the
-        leader) runs the requests; the others run rank 0's model calls until it is done and
-        return an empty list (their `prompts` are ignored)."""
+                 on_output: Callable[[GenerationOutput], None] | None = None,
+                 *, use_tqdm: bool | None = None) -> list[GenerationOutput]:
+        """Generate for every prompt (a lone prompt, text, token ids or a dict, is one prompt);
+        `on_output` sees each result as soon as it is finished (in finishing order; a prompt's
+        once all its `n` choices are). `use_tqdm`: vLLM's name of `progress`. Under tensor
+        parallelism every rank calls this: rank 0 (the leader) runs the requests; the others
+        run rank 0's model calls until it is done and return an empty list (their `prompts`
+        are ignored)."""
         if not self.is_leader:
             self.follow()
             return []
+        if use_tqdm is not None:
+            progress = use_tqdm
         steps = self.generate_stepwise(prompts, params, progress, on_output)
         while True:
             try:
@@ -371,7 +443,26 @@ class LLM:
             except StopIteration as done:
                 return done.value
 
-    def generate_stepwise(self, prompts: Sequence[Prompt],
+    def chat(self, messages: list[Message] | Sequence[list[Message]],
+             params: SamplingParams | Sequence[SamplingParams] | None = None,
+             progress: bool = False, *, use_tqdm: bool | None = None,
+             tools: list[dict[str, Any]] | None = None,
+             chat_template_kwargs: dict[str, Any] | None = None,
+             add_generation_prompt: bool = True,
+             on_output: Callable[[GenerationOutput], None] | None = None
+             ) -> list[GenerationOutput]:
+        """vLLM's `LLM.chat`: generate for one conversation (a list of messages) or for each of
+        a list of them, each rendered by the model's chat template as the server renders a
+        chat request (`Tokenizer.apply_chat_template`, with `tools` and `chat_template_kwargs`,
+        e.g. `{"thinking": False}`). The outputs hold the raw answers (reasoning and tool-call
+        markup are not parsed here: `engine.toolcalls.parse_output` reads them)."""
+        convs = [messages] if not messages or isinstance(messages[0], dict) else messages
+        prompts = [{"messages": list(c), "tools": tools,
+                    "add_generation_prompt": add_generation_prompt,
+                    "chat_template_kwargs": chat_template_kwargs} for c in convs]
+        return self.generate(prompts, params, progress, on_output, use_tqdm=use_tqdm)
+
+    def generate_stepwise(self, prompts: Prompt | Sequence[Prompt],
                           params: SamplingParams | Sequence[SamplingParams] | None = None,
                           progress: bool = False,
                           on_output: Callable[[GenerationOutput], None] | None = None
@@ -385,15 +476,22 @@ class LLM:
 
         if not self.is_leader:
             raise RuntimeError("generate_stepwise is the leader's; other ranks call generate")
+        prompts = one_or_many(prompts)
         if params is None or isinstance(params, SamplingParams):
             params = [params or SamplingParams()] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
         reqs: list[Request] = []
+        owner: list[int] = []  # each request's prompt (a prompt has n of them, in order)
         for i, (p, sp) in enumerate(zip(prompts, params)):
             try:  # every prompt is checked before any runs
-                reqs.append(self.make_request(self.encode_prompt(p), sp))
-                self.scheduler.add(reqs[-1])
+                ids = self.encode_prompt(p)
+                for k in range(sp.n):
+                    # NOTE: choice k samples with seed + k, as the server's n choices do
+                    reqs.append(self.make_request(ids, sp if k == 0 or sp.seed is None else
+                                                  replace(sp, seed=choice_seed(sp.seed, k))))
+                    owner.append(i)
+                    self.scheduler.add(reqs[-1])
             except ValueError as e:
                 for r in reqs:
                     self.scheduler.abort(r)
@@ -403,7 +501,10 @@ class LLM:
             self.tp.comm.reset()
         t0, suspended = time.perf_counter(), 0.0
         bar = tqdm(total=len(reqs), desc="generating", unit="prompt", disable=not progress)
-        index = {r.rid: i for i, r in enumerate(reqs)}
+        index = {r.rid: k for k, r in enumerate(reqs)}
+        left = [0] * len(prompts)  # choices of each prompt still running
+        for i in owner:
+            left[i] += 1
         done: dict[int, GenerationOutput] = {}
         while self.scheduler.has_work:
             t_step = time.perf_counter()
@@ -412,9 +513,12 @@ class LLM:
             for e in events:
                 if e.finished:
                     bar.update(1)
-                    o = done[e.req.rid] = self._output(index[e.req.rid], e.req)
-                    if on_output is not None:
-                        on_output(o)
+                    i = owner[index[e.req.rid]]
+                    left[i] -= 1
+                    if left[i] == 0:
+                        o = done[i] = self._prompt_output(i, prompts[i], reqs, owner)
+                        if on_output is not None:
+                            on_output(o)
             t_yield = time.perf_counter()
             yield sum(len(e.new_ids) for e in events)
             suspended += time.perf_counter() - t_yield
@@ -422,14 +526,15 @@ class LLM:
         if self.tp is not None:
             self.tp.send(End())
         elapsed = time.perf_counter() - t0 - suspended
-        outs = [done.get(r.rid) or self._output(i, r) for i, r in enumerate(reqs)]
-        n_tok = sum(len(o.token_ids) for o in outs)
+        outs = [done.get(i) or self._prompt_output(i, p, reqs, owner)
+                for i, p in enumerate(prompts)]
+        n_tok = sum(len(r.output_ids) for r in reqs)
         acc = [a for r in reqs for a in r.accept_lengths]
         phases = dict(self.timer.totals)
         engine_t = phases.pop("engine", elapsed)
         phases["prefill+sched"] = max(engine_t - sum(phases.values()), 0.0)
         self.stats = {
-            "prompts": len(reqs), "tokens": n_tok, "seconds": elapsed,
+            "prompts": len(prompts), "tokens": n_tok, "seconds": elapsed,
             "tokens_per_s": n_tok / elapsed if elapsed else 0.0,
             "steps": sum(r.num_steps for r in reqs),
             "mean_accept_len": sum(acc) / len(acc) if acc else 0.0,
@@ -455,6 +560,16 @@ class LLM:
         return GenerationOutput(i, r.prompt_ids, list(r.output_ids), text, r.finish_reason or "",
                                 r.num_steps, list(r.accept_lengths), r.logprobs,
                                 r.prompt_logprobs, r.cached_tokens)
+
+    def _prompt_output(self, i: int, prompt: Prompt, reqs: list[Request], owner: list[int]
+                       ) -> GenerationOutput:
+        """Prompt i's output: its first choice, with the others in `more`."""
+        first, *others = [self._output(i, r) for r, o in zip(reqs, owner) if o == i]
+        more = [CompletionOutput(k, o.text, o.token_ids, o.finish_reason, o.logprobs,
+                                 o.num_steps, o.accept_lengths) for k, o in enumerate(others, 1)]
+        return replace(first, more=more,
+                       prompt=prompt if isinstance(prompt, str) else prompt.get("prompt")
+                       if isinstance(prompt, dict) else None)
 
     # ---- tensor parallelism ------------------------------------------------------------------
 

@@ -17,6 +17,7 @@ from typing import Annotated, Any, Literal, TypeVar
 
 from fastapi import HTTPException
 from pydantic import (
+    AfterValidator,
     BaseModel,
     ConfigDict,
     Field,
@@ -55,7 +56,17 @@ MAX_COMPLETION_LOGPROBS = 5  # OpenAI's bound on the completions route's `logpro
 # far above what a conversation filling the context, its tools or its token ids need.
 MAX_JSON_COST = 1 << 19
 Positive = Annotated[int, Field(ge=1)]
-Neutral = Annotated[float, Field(ge=0, le=0)]  # only the value that changes nothing
+
+
+def _neutral(v: float) -> float:
+    if v != 0:
+        raise ValueError(f"{v} is not supported: this server applies no penalties (only 0, "
+                         f"which changes nothing, is accepted)")
+    return v
+
+
+# A parameter the engine does not implement, accepted only at the value that changes nothing.
+Neutral = Annotated[float, AfterValidator(_neutral)]
 Text = Annotated[str, Field(min_length=1)]
 Ids = Annotated[list[int], Field(min_length=1)]
 BodyT = TypeVar("BodyT", bound=BaseModel)
