@@ -43,7 +43,7 @@ from typing import Any, TypeVar
 
 import h11
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
@@ -62,12 +62,13 @@ from engine.grammar import (
 from engine.request import RequestRejected
 from engine.serve import protocol as api
 from engine.serve.options import ServeConfig
+from engine.serve.protocol import SSEResponse as _SSEResponse
+from engine.serve.protocol import ToolLimit
 from engine.serve.worker import ClientGone, Engine, Handle, ModelInfo
 from engine.tokenizer import TokenizerError
 from engine.toolcalls import (
     OutputDelta,
     OutputStream,
-    ParsedOutput,
     ids_open_reasoning,
 )
 
@@ -95,25 +96,6 @@ def choice_params(params: SamplingParams, n: int) -> list[SamplingParams]:
     choice i of a seeded request equals a request of n 1 with seed + i."""
     return [params if n == 1 or params.seed is None
             else dataclasses.replace(params, seed=choice_seed(params.seed, i)) for i in range(n)]
-
-
-class ToolLimit:
-    """`parallel_tool_calls` false: only the call of index 0 (the parser numbers the calls it
-    keeps from 0, so that is the first well-formed one) reaches the client; later calls are
-    dropped, not turned into content."""
-
-    def __init__(self, parallel: bool | None):
-        self.keep = None if parallel is None or parallel else 1
-
-    def delta(self, d: OutputDelta) -> OutputDelta:
-        if self.keep is None or not d.tool_calls:
-            return d
-        return dataclasses.replace(d, tool_calls=tuple(c for c in d.tool_calls
-                                                       if c.index < self.keep))
-
-    def result(self, r: ParsedOutput) -> ParsedOutput:
-        return r if self.keep is None else dataclasses.replace(r, tool_calls=r.tool_calls[
-            :self.keep])
 
 
 async def merged(gens: list[AsyncIterator[Item]]) -> AsyncIterator[tuple[int, Item]]:
@@ -345,22 +327,6 @@ class Server:
                     yield piece or OutputDelta(), None, n, logprobs
         finally:
             self.close(h)
-
-
-class _SSEResponse(StreamingResponse):
-    """A stream whose request is closed however the response ends, even when the client leaves
-    before the body generator has started (its `finally` would then never run)."""
-
-    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None]):
-        super().__init__(content, media_type="text/event-stream",
-                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        self._on_close = on_close
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            self._on_close()
 
 
 def _sse(obj: dict[str, Any]) -> str:

@@ -8,14 +8,19 @@ completions: a count, with `echo`), `response_format` (`json_object`, `json_sche
 `tool_choice` "required" or a named function reach the engine as `SamplingParams` (the last
 two as a grammar the app builds: `engine.grammar`). `n` (up to MAX_N) and
 `parallel_tool_calls` are served by the app (engine.serve.app); `/tokenize` and `/detokenize`
-take vLLM's bodies (TokenizeCompletionRequest, TokenizeChatRequest, DetokenizeRequest)."""
+take vLLM's bodies (TokenizeCompletionRequest, TokenizeChatRequest, DetokenizeRequest).
+What every route's answer uses, whichever API it speaks: `ToolLimit` (`parallel_tool_calls`
+false) and `SSEResponse` (a stream that closes its requests however it ends)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
+from collections.abc import AsyncIterator, Callable
 from typing import Annotated, Any, Literal, TypeVar
 
 from fastapi import HTTPException
+from fastapi.responses import StreamingResponse
 from pydantic import (
     AfterValidator,
     BaseModel,
@@ -26,6 +31,7 @@ from pydantic import (
     field_validator,
     model_validator,
 )
+from starlette.types import Receive, Scope, Send
 
 from engine.config import (
     MAX_LOGIT_BIAS,
@@ -40,6 +46,7 @@ from engine.config import (
     TopP,
     error_parts,
 )
+from engine.toolcalls import OutputDelta, ParsedOutput
 
 MAX_BODY_BYTES = 16 << 20  # the default of `--max-body-bytes`
 # Bounds on what a body may make the server template and tokenize (checked while parsing, before
@@ -94,9 +101,11 @@ def json_cost(raw: bytes) -> int:
     return raw.count(b",") + 8 * (raw.count(b"{") + raw.count(b"["))
 
 
-def parse(raw: bytes, model: type[BodyT], limit: int = MAX_BODY_BYTES) -> BodyT:
+def parse(raw: bytes, model: type[BodyT], limit: int = MAX_BODY_BYTES,
+          reasons: dict[str, str] | None = None) -> BodyT:
     """A JSON body (the app admits only `application/json`) as `model`; a pydantic error becomes
-    a 400 naming the field (`engine.config.error_parts`)."""
+    a 400 naming the field (`engine.config.error_parts`), an unknown one with why it is refused
+    (`reasons`, by default the OpenAI routes' UNSUPPORTED)."""
     if len(raw) > limit:
         raise too_large(len(raw), limit)
     if (cost := json_cost(raw)) > MAX_JSON_COST:
@@ -111,7 +120,8 @@ def parse(raw: bytes, model: type[BodyT], limit: int = MAX_BODY_BYTES) -> BodyT:
                 "missing": "missing_required_parameter"}.get(err["type"], "invalid_value")
         param = str(err["loc"][0]) if err["loc"] else None
         if code == "unknown_parameter" and len(err["loc"]) == 1:
-            text += f": {UNSUPPORTED.get(param, 'not a parameter this server supports')}"
+            why = (UNSUPPORTED if reasons is None else reasons).get(param)
+            text += f": {why or 'not a parameter this server supports'}"
         raise bad(param, text, code) from e
 
 
@@ -421,6 +431,44 @@ def _template_inputs(messages: list[dict[str, Any]], tools: list[Tool] | None,
                      kwargs: dict[str, Any] | None) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     dumped = [t.model_dump(exclude_unset=True) for t in tools or []] or None
     return messages, {"tools": dumped, **(kwargs or {})}
+
+
+# ---- what the routes' answers share ----------------------------------------------------------
+
+
+class ToolLimit:
+    """`parallel_tool_calls` false: only the call of index 0 (the parser numbers the calls it
+    keeps from 0, so that is the first well-formed one) reaches the client; later calls are
+    dropped, not turned into content."""
+
+    def __init__(self, parallel: bool | None):
+        self.keep = None if parallel is None or parallel else 1
+
+    def delta(self, d: OutputDelta) -> OutputDelta:
+        if self.keep is None or not d.tool_calls:
+            return d
+        return dataclasses.replace(d, tool_calls=tuple(c for c in d.tool_calls
+                                                       if c.index < self.keep))
+
+    def result(self, r: ParsedOutput) -> ParsedOutput:
+        return r if self.keep is None else dataclasses.replace(r, tool_calls=r.tool_calls[
+            :self.keep])
+
+
+class SSEResponse(StreamingResponse):
+    """A stream whose request is closed however the response ends, even when the client leaves
+    before the body generator has started (its `finally` would then never run)."""
+
+    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None]):
+        super().__init__(content, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self._on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close()
 
 
 # ---- /tokenize and /detokenize (vLLM's bodies) -------------------------------------------------
