@@ -1,6 +1,7 @@
 """Routes, admission and streaming: `GET /v1/models`, `POST /v1/completions` and
 `/v1/chat/completions` (`stream`: server-sent events ending in `data: [DONE]`), vLLM's
-`POST /tokenize` and `/detokenize`, `GET /health`, `GET /metrics`. `max_tokens` defaults to 16
+`POST /tokenize` and `/detokenize`, `GET /health`, `GET /metrics`; OpenAI's Responses API
+(`/v1/responses`, `engine.serve.responses`) on the same chat path. `max_tokens` defaults to 16
 for completions, the context's rest for chat. Chat answers are read by
 `engine.toolcalls.OutputStream` (Kimi's tool calls and reasoning).
 
@@ -61,6 +62,7 @@ from engine.grammar import (
 )
 from engine.request import RequestRejected
 from engine.serve import protocol as api
+from engine.serve import responses
 from engine.serve.options import ServeConfig
 from engine.serve.protocol import SSEResponse as _SSEResponse
 from engine.serve.protocol import ToolLimit
@@ -492,6 +494,8 @@ def build_app(llm: Any, served_model_name: str, max_queue: int = 256,
                 pass
 
         return _SSEResponse(events(), close_all)
+
+    responses.register(app, srv)  # /v1/responses
 
     @app.post("/tokenize")
     async def tokenize(http: Request) -> dict[str, Any]:
