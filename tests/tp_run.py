@@ -3,7 +3,8 @@
     torchrun --nproc-per-node W tests/tp_run.py SPEC.json OUT_DIR
 
 SPEC.json: {"model", "draft", "tp", "prompts": [[ids...]], "runs": [{"mode", "budget",
-"max_new_tokens", "temperature", "top_p", "seed", "oracle", "prefill_chunk"}]}. Every rank writes
+"max_new_tokens", "temperature", "top_p", "seed", "oracle", "prefill_chunk", "repeat"}]}. Every
+rank writes
 OUT_DIR/rank{r}.json with its parameter bytes per run and whether its process groups were
 really freed on leaving them; rank 0 also writes each run's token ids.
 With "oracle", the drafter is the test suite's oracle (it agrees with the target often, so steps
@@ -43,13 +44,15 @@ def main() -> None:
         params = SamplingParams(temperature=run.get("temperature", 0.0),
                                 top_p=run.get("top_p", 1.0), seed=run.get("seed"),
                                 max_new_tokens=run["max_new_tokens"], ignore_eos=True)
-        outs = llm.generate([{"prompt_token_ids": p} for p in spec["prompts"]], params)
+        for _ in range(run.get("repeat", 1)):  # again: the prompts hit the prefix cache
+            outs = llm.generate([{"prompt_token_ids": p} for p in spec["prompts"]], params)
         target = param_bytes(llm.models.target)
         drafter = param_bytes(llm.models.drafter) if llm.models.drafter is not None else (0, 0)
         results.append({"tokens": [o.token_ids for o in outs], "target_bytes": target,
                         "drafter_bytes": drafter,
                         "all_reduce_calls": llm.tp.comm.calls["all_reduce"],
-                        "mean_accept_len": llm.stats.get("mean_accept_len", 0.0)})
+                        "mean_accept_len": llm.stats.get("mean_accept_len", 0.0),
+                        "cached": [o.cached_tokens for o in outs]})
         control = weakref.ref(llm.tp.control)
         llm.close()
         # a process group still referenced keeps its worker threads into interpreter exit
