@@ -381,6 +381,27 @@ def test_a_named_function_is_forced(llm: ScriptedLLM,  # noqa: F811
     assert r.tool_choice.name == "get_time"
 
 
+def test_an_engine_failure_fails_the_response(llm: ScriptedLLM, client: openai.OpenAI,  # noqa: F811
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """Whole: a 500 in OpenAI's shape; streamed: a `response.failed` event ends the stream."""
+    def boom(*_: Any, **__: Any) -> Any:
+        raise RuntimeError("a step failed")
+
+    monkeypatch.setattr(llm.runner, "step", boom)
+    llm.say("never")
+    with pytest.raises(openai.InternalServerError) as e:
+        client.responses.create(model="scripted", input=ASK, **INSTANT)
+    assert e.value.body["type"] == "server_error" and "a step failed" not in str(e.value.body)
+    llm.say("never")
+    events = list(client.responses.create(model="scripted", input=ASK, stream=True, **INSTANT))
+    kinds = [e.type for e in events]  # the prefill's token may have come first
+    assert kinds[:2] == ["response.created", "response.in_progress"]
+    assert kinds[-1] == "response.failed" and kinds.count("response.failed") == 1
+    failed = events[-1].response
+    assert failed.status == "failed" and failed.error.code == "server_error"
+    assert "a step failed" not in failed.error.message
+
+
 # ---- the API key and bad bodies ----------------------------------------------------------------
 
 
