@@ -1,7 +1,8 @@
 """Routes, admission and streaming: `GET /v1/models`, `POST /v1/completions` and
 `/v1/chat/completions` (`stream`: server-sent events ending in `data: [DONE]`), vLLM's
 `POST /tokenize` and `/detokenize`, `GET /health`, `GET /metrics`; OpenAI's Responses API
-(`/v1/responses`, `engine.serve.responses`) on the same chat path. `max_tokens` defaults to 16
+(`/v1/responses`, `engine.serve.responses`) and Anthropic's Messages API (`/v1/messages`,
+`engine.serve.anthropic`) on the same chat path. `max_tokens` defaults to 16
 for completions, the context's rest for chat. Chat answers are read by
 `engine.toolcalls.OutputStream` (Kimi's tool calls and reasoning).
 
@@ -61,8 +62,8 @@ from engine.grammar import (
     tool_call_grammar,
 )
 from engine.request import RequestRejected
+from engine.serve import anthropic, responses
 from engine.serve import protocol as api
-from engine.serve import responses
 from engine.serve.options import ServeConfig
 from engine.serve.protocol import SSEResponse as _SSEResponse
 from engine.serve.protocol import ToolLimit
@@ -354,19 +355,20 @@ def build_app(llm: Any, served_model_name: str, max_queue: int = 256,
         return Response(status_code=499)
 
     @app.exception_handler(HTTPException)  # ours carry OpenAI's body; Starlette's get one too
-    async def _error(_: Request, e: HTTPException) -> JSONResponse:
+    async def _error(http: Request, e: HTTPException) -> JSONResponse:
         body = e.detail if isinstance(e.detail, dict) else api.error(
             e.status_code, str(e.detail), code="not_found" if e.status_code == 404 else None
         ).detail
-        return JSONResponse(body, e.status_code, e.headers)
+        return JSONResponse(anthropic.reshape(http.url.path, e.status_code, body),
+                            e.status_code, e.headers)
 
     @app.exception_handler(Exception)
-    async def _internal(_: Request, exc: Exception) -> JSONResponse:
+    async def _internal(http: Request, exc: Exception) -> JSONResponse:
         log.exception("unhandled error")
         # NOTE: the cause stays in the log: exception text is no client's business.
-        return JSONResponse(api.error(500, "internal server error (the server log has the "
-                                           "cause)", None, "internal_error", "server_error"
-                                      ).detail, 500)
+        return JSONResponse(anthropic.reshape(http.url.path, 500, api.error(
+            500, "internal server error (the server log has the cause)", None,
+            "internal_error", "server_error").detail), 500)
 
     @app.get("/health")
     async def health() -> dict[str, Any]:
@@ -495,6 +497,7 @@ def build_app(llm: Any, served_model_name: str, max_queue: int = 256,
 
         return _SSEResponse(events(), close_all)
 
+    anthropic.register(app, srv)  # /v1/messages, /v1/messages/count_tokens
     responses.register(app, srv)  # /v1/responses
 
     @app.post("/tokenize")
@@ -546,7 +549,7 @@ def build_app(llm: Any, served_model_name: str, max_queue: int = 256,
     if hosts is None and key is None:
         log.warning("listening on %s with no API key (--api-key or KIMI_API_KEY): anyone who "
                     "can reach the port can use the model", cfg.host)
-    app.add_middleware(Guard, hosts=hosts, api_key=key)
+    app.add_middleware(Guard, hosts=hosts, api_key=key, reshape=anthropic.reshape)
     srv.engine.metrics.instrument(app)  # outside the guard: its refusals are counted too
     return app
 
@@ -616,12 +619,15 @@ def allowed_hosts(cfg: ServeConfig) -> frozenset[str] | None:
 
 class Guard:
     """ASGI middleware run before any route: the Host header (400), `--api-key` on /v1/*,
-    /tokenize and /detokenize (401),
+    /tokenize and /detokenize (401; as `Authorization: Bearer KEY` or, as Anthropic's clients
+    send it, `x-api-key: KEY`),
     and POST bodies of type `application/json` only (415: a page on another site can send a
-    text/plain or form body without asking the server first, but not a JSON one)."""
+    text/plain or form body without asking the server first, but not a JSON one). `reshape`
+    gives a refusal's body its route's shape (path, status, OpenAI's body)."""
 
-    def __init__(self, app: ASGIApp, hosts: frozenset[str] | None, api_key: str | None):
-        self.app, self.hosts = app, hosts
+    def __init__(self, app: ASGIApp, hosts: frozenset[str] | None, api_key: str | None,
+                 reshape: Callable[[str, int, Any], Any] | None = None):
+        self.app, self.hosts, self.reshape = app, hosts, reshape
         self.key = None if api_key is None else api_key.encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -632,8 +638,10 @@ class Guard:
         if problem is None:
             return await self.app(scope, receive, send)
         status, message, code, extra = problem
-        await JSONResponse(api.error(status, message, None, code).detail, status, extra)(
-            scope, receive, send)
+        body = api.error(status, message, None, code).detail
+        if self.reshape is not None:
+            body = self.reshape(scope["path"], status, body)
+        await JSONResponse(body, status, extra)(scope, receive, send)
 
     def _problem(self, scope: Scope, headers: Headers
                  ) -> tuple[int, str, str, dict[str, str] | None] | None:
@@ -645,10 +653,12 @@ class Guard:
         path = scope["path"]
         if self.key is not None and (path.startswith("/v1/") or path in KEYED_PATHS):
             scheme, _, given = headers.get("authorization", "").partition(" ")
-            if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(),
-                                                                     self.key):
-                return (401, "a valid API key is required: 'Authorization: Bearer KEY'",
-                        "invalid_api_key", {"WWW-Authenticate": "Bearer"})
+            keys = [given.strip() if scheme.lower() == "bearer" else "",
+                    headers.get("x-api-key", "").strip()]
+            if not any(k and hmac.compare_digest(k.encode(), self.key) for k in keys):
+                return (401, "a valid API key is required: 'Authorization: Bearer KEY' or "
+                             "'x-api-key: KEY'", "invalid_api_key",
+                        {"WWW-Authenticate": "Bearer"})
         if scope["method"] == "POST":
             kind = headers.get("content-type", "").split(";")[0].strip().lower()
             if kind != "application/json":
