@@ -319,7 +319,7 @@ class Server:
                 item = await h.next(http)
                 if item[0] == "error":
                     raise api.error(500, str(item[1]), None, "engine_error", "server_error")
-                _, new, reason, text_end, logprobs, pieces, _ = item
+                _, new, reason, text_end, logprobs, pieces, *_ = item
                 n += len(new)
                 if reason is not None:
                     last = out.end(new, text_end, pieces) if out else OutputDelta()
