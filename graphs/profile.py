@@ -21,10 +21,13 @@ adds the all-reduce share of the eager step.
 `--tune` measures accepted length and step time per (greedy/sampled, batch size, budget), budget
 0 (plain decoding through the same step) included, and writes the budget policy
 (`engine.policy`) that maximizes tokens per second at each batch size, greedy and sampled (at
-`--tune-temperature`), to the table the engine reads for that device and execution path
-(`engine.policy.policy_path`): with `--compile on`, the compiled CPU step's
-(`configs/budgets-cpu-compiled.toml`; its compiled steps over a few token rows run on one
-thread, as the engine's do: `engine.cpu.ONE_THREAD_ROWS`).
+`--tune-temperature`), to `--policy-out`: by default beside `--output`, named as the table the
+engine reads for that device and execution path (`engine.policy.policy_path`), which a tune
+never overwrites unless told to (copy the file there, or give that path, to ship it): with
+`--compile on`, the compiled CPU step's (`configs/budgets-cpu-compiled.toml`; its compiled steps
+over a few token rows run on one thread, as the engine's do: `engine.cpu.ONE_THREAD_ROWS`).
+Before it starts, a tune says how many runs it makes and about how long they take at the step
+times the profile just measured.
 """
 
 from __future__ import annotations
@@ -105,8 +108,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="new tokens each --tune prompt decodes (every budget over the same "
                          "text; bench.spec and bench.serve decode 64)")
     ap.add_argument("--policy-out", default=None, help="where --tune writes the budget tables "
-                    "(default: the engine's default there, configs/budgets-<device>"
-                    "[-compiled on the CPU].toml)")
+                    "(default: beside --output, named as the engine's table for the device, "
+                    "configs/budgets-<device>[-compiled on the CPU].toml, which it leaves as it "
+                    "is: give that path to replace it)")
     ap.add_argument("--no-progress", action="store_true")
     return ap
 
@@ -347,6 +351,24 @@ def table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def tune_estimate(a: argparse.Namespace, rows: list[dict[str, Any]]) -> tuple[int, float]:
+    """The runs a tune makes and about how many seconds they take, from the profiled `rows`
+    (one per batch size, at the profile's budget): each run decodes `--tune-tokens` tokens a
+    row at that row's accepted length (one a step at budget 0) and step time, and each
+    (temperature, batch size, budget) captures or compiles its step once. A rough guide: a
+    budget's step takes its own time."""
+    runs, seconds = 0, 0.0
+    for r in rows:
+        bs = r["batch_size"]
+        step_s = (r["replay_ms"] if r["replay_ms"] is not None else r["eager_ms"]) / 1e3
+        batches = len(range(0, tune_prompts(a, bs), bs))
+        for b in a.tune_budgets:
+            steps = a.tune_tokens / (1.0 if b == 0 else max(r["tokens_per_step"], 1.0))
+            runs += 2 * batches
+            seconds += 2 * (batches * (steps + a.warmup) * step_s + (r["capture_s"] or 0.0))
+    return runs, seconds
+
+
 def tune(bench: Bench, graphs: bool, tel: Telemetry, progress: bool) -> list[dict[str, Any]]:
     from tqdm import tqdm
 
@@ -419,6 +441,23 @@ def main(argv: list[str] | None = None) -> int:
             tp.close()
 
 
+def policy_out(a: argparse.Namespace, device: torch.device, graphs: bool) -> Path:
+    """Where a tune writes its table: `--policy-out`, else beside `--output` under the name of
+    the engine's table for the device and execution path (not over that shipped file)."""
+    if a.policy_out:
+        return Path(a.policy_out)
+    shipped = policy_path(device.type, graphs and device.type == "cpu")
+    return Path(a.output).parent / shipped.name
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 90:
+        return f"{seconds:.0f} s"
+    if seconds < 5400:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds / 3600:.1f} h"
+
+
 def _step_kind(device: torch.device, graphs: bool) -> str:
     if not graphs:
         return "eager"
@@ -437,6 +476,13 @@ def _profile(a: argparse.Namespace, bench: Bench, device: torch.device, dtype: t
     try:
         for bs in tqdm(a.batch_sizes, desc="profiling batch sizes", disable=not progress):
             rows.append(profile_size(bench, bs, bench.budget, graphs, tel, a.temperature))
+        if a.tune and leader:
+            runs, seconds = tune_estimate(a, rows)
+            print(f"tuning: {runs} runs (greedy and sampled, budgets "
+                  f"{','.join(map(str, a.tune_budgets))}, batch sizes "
+                  f"{','.join(map(str, a.batch_sizes))}), about {_duration(seconds)} at the "
+                  f"profiled step times; the table goes to {policy_out(a, device, graphs)}",
+                  file=sys.stderr)
         tuned = tune(bench, graphs, tel, progress) if a.tune else []
     except CaptureError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -458,7 +504,7 @@ def _profile(a: argparse.Namespace, bench: Bench, device: torch.device, dtype: t
     if a.tune:
         compiled = graphs and device.type == "cpu"
         n = torch.get_num_threads()
-        where = a.policy_out or policy_path(device.type, compiled)
+        where = policy_out(a, device, graphs)
         threads = f"{n} threads" + (f" (one for steps of <= {ONE_THREAD_ROWS} token rows)"
                                     if compiled and n > 1 else "")
         result.update(write_tuned(where, tuned, note=(
@@ -486,6 +532,10 @@ def _profile(a: argparse.Namespace, bench: Bench, device: torch.device, dtype: t
               f"{s.get('nvlink_active_links')})")
     if a.tune:
         print(f"budget policy {result['policy']['budgets']} -> {result['policy']['path']}")
+        shipped = policy_path(device.type, graphs and device.type == "cpu")
+        if Path(result["policy"]["path"]).resolve() != shipped.resolve():
+            print(f"(the engine reads {shipped}: copy the table there to make it the default, "
+                  f"or pass --budget-policy {result['policy']['path']})")
     print(f"wrote {out}", file=sys.stderr)
     return 0
 

@@ -80,6 +80,22 @@ def test_profile_tune_writes_the_budget_policy(tmp_path, capsys):
         assert t["tokens"] == (4 if t["batch_size"] == 1 else 6) * 7
         assert t["accept"] == 1.0 if t["budget"] == 0 else 1.0 <= t["accept"] <= 4.0
     assert "measured" in policy.read_text()
+    # it said beforehand how many runs it makes (greedy and sampled x 2 budgets x 4 + 3
+    # batches), about how long they take, and where the table goes
+    err = capsys.readouterr().err
+    assert "tuning: 28 runs" in err and " about " in err and str(policy) in err, err
+
+
+def test_a_tune_writes_beside_its_output_by_default(tmp_path):
+    """Not over the table the engine ships (a tracked file): beside --output, under its
+    name, unless --policy-out says where."""
+    a = profile.build_parser().parse_args(["--tune", "--output", str(tmp_path / "p.json")])
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert profile.policy_out(a, cpu, False) == tmp_path / "budgets-cpu.toml"
+    assert profile.policy_out(a, cpu, True) == tmp_path / "budgets-cpu-compiled.toml"
+    assert profile.policy_out(a, cuda, True) == tmp_path / "budgets-cuda.toml"
+    a.policy_out = "configs/budgets-cpu.toml"
+    assert str(profile.policy_out(a, cpu, False)) == "configs/budgets-cpu.toml"
 
 
 def test_a_tune_step_keeps_sampled_rows_drafting(tmp_path):
