@@ -293,7 +293,8 @@ def test_one_call_without_parallel_calls(llm: ScriptedLLM,  # noqa: F811
                                 parallel_tool_calls=False, instructions="You are a coder.",
                                 reasoning={"effort": "minimal", "summary": "auto"},
                                 store=False, include=["reasoning.encrypted_content"],
-                                prompt_cache_key="session-1")
+                                prompt_cache_key="session-1", text={"verbosity": "low"},
+                                extra_body={"client_metadata": {"x": "y"}})
     assert [o.type for o in r.output] == ["message", "function_call"]
     assert r.output[1].name == "get_weather" and r.parallel_tool_calls is False
     assert r.store is False and r.instructions == "You are a coder."
@@ -307,6 +308,34 @@ def _plain(item: Any) -> dict[str, Any]:
         part.pop("parsed", None)
     d.pop("parsed_arguments", None)
     return d
+
+
+def test_a_body_as_codex_cli_sends_it(llm: ScriptedLLM, url: str) -> None:  # noqa: F811
+    """Null reasoning, empty lists, a reasoning item with null content given back, a tool's
+    output, client metadata; the answer streamed as SSE `event:` and `data:` lines."""
+    body = {"model": "scripted", "instructions": "You are a coding agent.", "input": [
+        {"type": "message", "role": "developer",
+         "content": [{"type": "input_text", "text": "<permissions>"}]},
+        {"type": "message", "role": "user", "content": [{"type": "input_text", "text": ASK}]},
+        {"type": "reasoning", "summary": [], "content": None, "encrypted_content": None},
+        {"type": "function_call", "name": "get_time", "arguments": "{}",
+         "call_id": "functions.get_time:0"},
+        {"type": "function_call_output", "call_id": "functions.get_time:0", "output": "noon"}],
+        "tools": [{**t, "strict": False} for t in FLAT], "tool_choice": "auto",
+        "parallel_tool_calls": False, "reasoning": None, "store": False, "stream": True,
+        "include": [], "prompt_cache_key": "thread-1",
+        "client_metadata": {"session_id": "thread-1"}}
+    llm.say(f"Read it.{THINK_END}It is noon.")  # no effort: the template thinks
+    with httpx.stream("POST", url + "/v1/responses", json=body, timeout=30) as r:
+        lines = [line for line in r.iter_lines() if line]
+    assert r.status_code == 200
+    names = [x.removeprefix("event: ") for x in lines if x.startswith("event: ")]
+    events = [json.loads(x.removeprefix("data: ")) for x in lines if x.startswith("data: ")]
+    assert names == [e["type"] for e in events] and names[-1] == "response.completed"
+    done = events[-1]["response"]
+    assert done["status"] == "completed" and done["store"] is False
+    assert [o["type"] for o in done["output"]] == ["reasoning", "message"]
+    assert done["output"][1]["content"][0]["text"] == "It is noon."
 
 
 THOUGHT = "The user wants weather."

@@ -32,10 +32,10 @@ last MAX_STORED of them within MAX_STORED_CHARS (least recently used out first),
 with those of the responses before it, and its output items) goes before the new input; its
 `instructions` and `tools` do not carry over (OpenAI's rule). An unknown or evicted id is a 404.
 
-Accepted and ignored: `metadata`, `user`, `safety_identifier`, `prompt_cache_key`,
-`truncation` (the context is never cut: a conversation too long for it is a 400),
-`reasoning.summary`, `include` "reasoning.encrypted_content" (the reasoning text travels in
-the clear, in `content`), `service_tier` "auto" / "default", `text.verbosity` "medium".
+Accepted and ignored: `metadata` (returned), `user`, `safety_identifier`, `prompt_cache_key`,
+`client_metadata`, `truncation` (the context is never cut: a conversation too long for it is a
+400), `reasoning.summary`, `include` "reasoning.encrypted_content" (the reasoning text travels
+in the clear, in `content`), `service_tier` "auto" / "default", `text.verbosity`.
 Extensions, as on the chat route: `top_k`, `seed`."""
 
 from __future__ import annotations
@@ -130,6 +130,7 @@ class FunctionCallItem(api._Strict):
     arguments: str
     id: str | None = None
     status: str | None = None
+    namespace: str | None = None
 
 
 class FunctionOutputItem(api._Strict):
@@ -191,7 +192,8 @@ class PlainText(api._Strict):
 
 class TextConfig(api._Strict):
     format: Annotated[JsonSchemaText | PlainText, Field(discriminator="type")] | None = None
-    verbosity: Literal["medium"] | None = None  # the only one that changes nothing
+    # NOTE: a hint of style, not a rule (Codex CLI may send any): accepted and ignored
+    verbosity: Literal["low", "medium", "high"] | None = None
 
 
 class ReasoningConfig(api._Strict):
@@ -225,6 +227,7 @@ class ResponsesRequest(api._Strict):
     stream_options: StreamOptions | None = None
     store: bool = True
     metadata: Annotated[dict[str, str], Field(max_length=16)] | None = None
+    client_metadata: dict[str, str] | None = None  # Codex CLI's
     user: str | None = None
     safety_identifier: str | None = None
     prompt_cache_key: str | None = None
