@@ -59,17 +59,18 @@ ASK = [{"role": "user", "content": "Weather in Paris, and the time?"}]
 
 
 @pytest.fixture(scope="module")
-def real() -> Iterator[tuple[LLM, str]]:
-    """The bundled model served in process, with an API key and a short request timeout."""
+def real() -> Iterator[tuple[Any, str, LLM]]:
+    """The bundled model served in process, with an API key and a short request timeout: the
+    app, its URL, the model."""
     bundled = LLM(progress=False, max_batch_size=4, max_model_len=MAX_LEN, warm_up=False)
     cfg = ServeConfig(api_key=KEY, request_timeout=TIMEOUT_S, max_body_bytes=BODY_LIMIT)
     app = build_app(bundled, NAME, config=cfg)
     with serving(app, **uvicorn_options(cfg)) as base:
-        yield app, base
+        yield app, base, bundled
 
 
 @pytest.fixture(scope="module")
-def base(real: tuple[Any, str]) -> str:
+def base(real: tuple[Any, str, LLM]) -> str:
     return real[1]
 
 
@@ -293,11 +294,11 @@ def test_the_key_as_x_api_key_or_bearer(base: str) -> None:
     _err(r, 415, "invalid_request_error")
 
 
-def test_the_limits_of_the_openai_routes(real: tuple[Any, str]) -> None:
+def test_the_limits_of_the_openai_routes(real: tuple[Any, str, LLM]) -> None:
     """Body size, JSON values, a prompt whose bytes prove it too long, a slow body and a full
     queue: refused as on the chat route, in Anthropic's shape (max_tokens past the context is
     clamped, not refused: test_a_claude_code_request)."""
-    app, base = real
+    app, base, _ = real
     big = {"model": NAME, "max_tokens": 4, "messages": [
         {"role": "user", "content": "x" * (BODY_LIMIT + 10)}]}
     assert "--max-body-bytes" in _err(_post(base, big), 413, "request_too_large")
@@ -367,6 +368,27 @@ def test_a_bad_request_never_disturbs_another(base: str) -> None:
     alone, together = asyncio.run(run())
     assert together[:3] == alone
     assert together[3:-1] == [400] * len(BAD)
+
+
+def test_an_engine_failure(real: tuple[Any, str, LLM], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A request the engine fails: a 500 api_error whole; streamed, an `error` event ends the
+    stream (as Anthropic's do), and the cause stays in the log."""
+    _, base, bundled = real
+    step = bundled.runner.step
+
+    def failing(inp: Any, pad: bool = False) -> Any:
+        if any(p.temperature == 0.5 for p in inp.params):
+            raise OverflowError("a secret cause")
+        return step(inp, pad)
+
+    monkeypatch.setattr(bundled.runner, "step", failing)
+    body = {"model": NAME, "max_tokens": 8, "messages": HELLO, "temperature": 0.5}
+    assert "secret" not in _err(_post(base, body), 500, "api_error")
+    status, events = _events(base, body)
+    assert status == 200 and [n for n, _ in events[:2]] == ["message_start", "ping"]
+    name, data = events[-1]
+    assert name == "error" and data["error"]["type"] == "api_error"
+    assert "secret" not in data["error"]["message"]
 
 
 def test_error_bodies() -> None:

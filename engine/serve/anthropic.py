@@ -49,7 +49,7 @@ from pydantic import Field, PrivateAttr, ValidationError, field_validator, model
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 
-from engine.config import StopString, Temperature, TopP, error_parts
+from engine.config import SamplingParams, StopString, Temperature, TopP, error_parts
 from engine.serve import protocol as api
 from engine.serve.worker import ClientGone, Handle
 from engine.tokenizer import TokenizerError
@@ -226,7 +226,7 @@ class ChatOfMessages(api.ChatRequest):
 
     _cap: int | None = PrivateAttr(None)
 
-    def sampling_params(self, max_new_tokens: int) -> Any:
+    def sampling_params(self, max_new_tokens: int) -> SamplingParams:
         cap = self._cap
         return super().sampling_params(max_new_tokens if cap is None else min(cap,
                                                                                max_new_tokens))
