@@ -19,8 +19,9 @@ Output. Items in the order the answer made them: `reasoning` (the text as one `r
 content part; `summary` empty: the model writes no summary), `message` (one `output_text`
 part), `function_call` (`call_id` the id the model wrote, as chat's tool call ids). `status`
 "incomplete" with `incomplete_details.reason` "max_output_tokens" when the answer ran out of
-tokens. `usage.output_tokens_details.reasoning_tokens` counts the reasoning text's tokens
-(encoded again: the engine does not tag the tokens it makes); `cached_tokens` is the engine's
+tokens (no reason when the server ended it, shutting down).
+`usage.output_tokens_details.reasoning_tokens` counts the reasoning text's tokens (encoded
+again: the engine does not tag the tokens it makes); `cached_tokens` is the engine's
 prefix-cache hit (`Request.cached_tokens`). With `stream`, the SSE events of OpenAI's API
 (`event:` and `data:` lines, each with its `sequence_number`, no `[DONE]`), built by the same
 `Output` as the whole answer, so both agree; an engine failure mid-stream is a
@@ -525,14 +526,16 @@ def register(app: FastAPI, srv: Any, store: Store | None = None) -> Store:
         rid, created = f"resp_{uuid.uuid4().hex}", int(time.time())
 
         def response(status: str, usage: dict[str, Any] | None = None,
-                     error: dict[str, Any] | None = None) -> dict[str, Any]:
+                     error: dict[str, Any] | None = None, reason: str | None = None
+                     ) -> dict[str, Any]:
+            """The response object; `reason`: why an incomplete one ended (the engine's)."""
             fmt = body.text.format if body.text else None
             return {
                 "id": rid, "object": "response", "created_at": created, "status": status,
                 "completed_at": int(time.time()) if status == "completed" else None,
                 "error": error, "background": False,
-                "incomplete_details": {"reason": "max_output_tokens"}
-                if status == "incomplete" else None,
+                "incomplete_details": {"reason": "max_output_tokens" if reason == "length"
+                                       else None} if status == "incomplete" else None,
                 "instructions": body.instructions, "max_output_tokens": body.max_output_tokens,
                 "metadata": body.metadata or {}, "model": srv.name,
                 "output": [_copy(i) for i in built.items] if status != "in_progress" else [],
@@ -559,7 +562,10 @@ def register(app: FastAPI, srv: Any, store: Store | None = None) -> Store:
             usage = {"input_tokens": len(ids), "output_tokens": n, "total_tokens": len(ids) + n,
                      "input_tokens_details": {"cached_tokens": h.req.cached_tokens},
                      "output_tokens_details": {"reasoning_tokens": min(thought, n)}}
-            done = response("incomplete" if reason == "length" else "completed", usage)
+            # NOTE: an answer ended otherwise than by a stop (out of tokens, or aborted as the
+            # server shuts down) is incomplete
+            done = response("completed" if reason in ("stop", "tool_calls") else "incomplete",
+                            usage, reason=reason)
             if body.store:
                 store.put(done, [*conversation, *ITEMS.validate_python(done["output"])])
             return done
@@ -574,7 +580,7 @@ def register(app: FastAPI, srv: Any, store: Store | None = None) -> Store:
                         last = reason, n
             finally:
                 srv.close(h)
-            built.finish(last[0] == "length")
+            built.finish(last[0] not in ("stop", "tool_calls"))
             return JSONResponse(await finished(*last))
 
         async def events() -> AsyncIterator[str]:
@@ -595,7 +601,7 @@ def register(app: FastAPI, srv: Any, store: Store | None = None) -> Store:
                         for event in built.feed(limit.delta(piece)):
                             yield sse(event)
                         last = reason, n
-                for event in built.finish(last[0] == "length"):
+                for event in built.finish(last[0] not in ("stop", "tool_calls")):
                     yield sse(event)
                 done = await finished(*last)
                 kind = "completed" if done["status"] == "completed" else "incomplete"
