@@ -7,18 +7,24 @@ interpreter lock, only the pickling of one report a step.
 
 Start-up: the frontend is spawned first, so its imports overlap the model's loading; it listens
 once the core sends `Ready` (the model's limits, after its step graphs are captured).
-Shutdown: a signal to the core (Ctrl-C, SIGTERM) goes on to the frontend, which closes its
-connections (within 5 s) and then tells the core to stop; the core also stops when the
-frontend's pipe closes however it ended, and the frontend when the core's does. The
-frontend has a process group of its own, so a terminal's Ctrl-C reaches only the core."""
+Shutdown: a signal to the core (Ctrl-C, SIGTERM) goes on to the frontend, which stops
+listening, gives the answers still open SHUTDOWN_GRACE_S to finish, ends the others (their
+request aborted, a stream's last chunk with finish reason `abort`, then `data: [DONE]`), closes
+its connections and then tells the core to stop: a few seconds in all, and exit status 0. The
+core also stops when the frontend's pipe closes however it ended, and the frontend when the
+core's does. The frontend has a process group of its own, so a terminal's Ctrl-C reaches only
+the core. A port already taken fails at once, before the model loads: the core binds it once
+to see, and the frontend holds it from its start (`listen_socket`)."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import multiprocessing as mp
 import os
 import signal
+import socket
 import sys
 import threading
 from dataclasses import dataclass
@@ -32,6 +38,32 @@ from engine.serve.options import ServeConfig
 
 log = logging.getLogger("engine.serve")
 LOG_FORMAT = "%(levelname)s %(name)s: %(message)s"
+# Seconds the answers open at a shutdown get to finish before they are ended (aborted).
+SHUTDOWN_GRACE_S = 2.0
+
+
+def listen_socket(host: str, port: int) -> socket.socket:
+    """A socket bound to `host`:`port` as uvicorn binds one (SO_REUSEADDR: a port left in
+    TIME_WAIT is free, one a server listens on is not); OSError when it cannot be."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def port_problem(host: str, port: int) -> str | None:
+    """Why `python -m engine.serve` cannot listen on `host`:`port`, or None when it can."""
+    try:
+        listen_socket(host, port).close()
+    except OSError as e:
+        return (f"cannot listen on {host}:{port}: {e.strerror or e} (another server there? "
+                f"choose another --port or --host)")
+    return None
 
 
 @dataclass
@@ -49,6 +81,11 @@ def frontend(cfg: ServeConfig, model_dir: Path, commands: Connection, reports: C
     until a signal or the core's end."""
     os.setpgrp()
     logging.basicConfig(level=cfg.log_level.upper(), format=LOG_FORMAT)
+    try:  # held from the start: a port taken while the model loads fails here, not later
+        sock = listen_socket(cfg.host, cfg.port)
+    except OSError as e:
+        log.error("%s", port_problem(cfg.host, cfg.port) or e)
+        sys.exit(1)
     import uvicorn
 
     from engine.grammar import Grammars
@@ -70,14 +107,36 @@ def frontend(cfg: ServeConfig, model_dir: Path, commands: Connection, reports: C
     app = build_app(None, ready.name, cfg.max_queue, config=cfg, model=model, engine=engine)
     log.info("serving %r on http://%s:%d (max_model_len %d, %d KV pages)", ready.name, cfg.host,
              cfg.port, lim.max_model_len, lim.capacity)
-    # A bounded graceful shutdown: open streams must not keep the process alive.
-    uvicorn.run(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level,
-                timeout_graceful_shutdown=5, **uvicorn_options(cfg))
+    # NOTE: the answers still open are ended after SHUTDOWN_GRACE_S; uvicorn's own bound (it
+    # then cancels what is left, with a traceback) is only a backstop.
+    config = uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level,
+                            timeout_graceful_shutdown=SHUTDOWN_GRACE_S + 3,
+                            **uvicorn_options(cfg))
+
+    class Server(uvicorn.Server):
+        """uvicorn's, whose shutdown ends the answers still open after SHUTDOWN_GRACE_S."""
+
+        async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+            def end() -> None:
+                if n := engine.end_open():
+                    log.info("ended %d answer(s) still open %.0f s into the shutdown", n,
+                             SHUTDOWN_GRACE_S)
+
+            timer = asyncio.get_running_loop().call_later(SHUTDOWN_GRACE_S, end)
+            try:
+                await super().shutdown(sockets)
+            finally:
+                timer.cancel()
+
+    Server(config).run(sockets=[sock])
 
 
 def serve(engine_cfg: EngineConfig, cfg: ServeConfig, threads: int) -> None:
     """The core's side: spawns the frontend, loads the model, serves it until the frontend
-    ends; exits non-zero when the engine stopped for good or the frontend failed."""
+    ends; exits non-zero when the engine stopped for good or the frontend failed (a port
+    already taken fails before anything loads)."""
+    if problem := port_problem(cfg.host, cfg.port):
+        sys.exit(f"error: {problem}")
     import torch
 
     from engine.dist import PeerLost
@@ -149,6 +208,12 @@ def serve(engine_cfg: EngineConfig, cfg: ServeConfig, threads: int) -> None:
         sys.exit(f"error: stopped: {core.fatal}")
     if front.exitcode not in (0, -signal.SIGTERM):  # uvicorn raises the signal it ended on
         sys.exit(f"error: the HTTP server exited with status {front.exitcode}")
+    # NOTE: the frontend is reaped and the engine closed, so nothing is left to clean up; the
+    # interpreter's teardown of torch's native state would add seconds to a stop.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def engine_threads(engine_cfg: EngineConfig, cfg: ServeConfig, threads: int) -> int:

@@ -470,6 +470,20 @@ class Engine:
         elif h is not None and self._live.pop(h.req.rid, None) is not None:
             self.link.send(("abort", h.req.rid))  # NOTE: no more tokens for it either way
 
+    def end_open(self, reason: str = "abort") -> int:
+        """Ends every open answer now (the server is shutting down): each request is aborted
+        and its reader gets a last item finishing with `reason` (vLLM's for an aborted
+        request), so a stream still ends with its final chunk and [DONE], and a whole answer
+        comes back with what was generated. Returns how many there were."""
+        live, self._live = self._live, {}
+        for rid, h in live.items():
+            self.link.send(("abort", rid))
+            item: Item = ("tokens", [], reason, None, None, None, None, None)
+            if h._held:
+                item, h._held = merge([*h._held, item]), []
+            h.queue.put_nowait(item)
+        return len(live)
+
     def _set_snapshot(self, snapshot: dict[str, int]) -> None:
         self.snapshot = snapshot
         for k in ("running", "kv_pages_free", "kv_pages_total", "kv_pages_cached"):
