@@ -53,7 +53,7 @@ from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Receive, Scope, Send
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from engine.config import MAX_SEED, Logprob, SamplingParams
+from engine.config import Logprob, SamplingParams, choice_seed
 from engine.grammar import (
     GrammarError,
     json_or_tool_call_grammar,
@@ -84,14 +84,6 @@ KEYED_PATHS = frozenset({"/tokenize", "/detokenize"})
 Body = api.CompletionRequest | api.ChatRequest
 Item = tuple[OutputDelta, str | None, int, list[Logprob] | None]
 T = TypeVar("T")
-
-
-def choice_seed(seed: int | None, i: int) -> int | None:
-    """Choice i's seed: seed + i (vLLM's rule), wrapping past the largest seed to 0; None
-    (no seed) stays None: each choice then draws its own random seed."""
-    if seed is None:
-        return None
-    return seed + i if seed + i <= MAX_SEED else seed + i - MAX_SEED - 1
 
 
 def choice_params(params: SamplingParams, n: int) -> list[SamplingParams]:
