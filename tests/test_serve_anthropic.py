@@ -176,6 +176,17 @@ def test_create_stream_and_count(client: Any, base: str) -> None:
     assert events[-2][1]["delta"]["stop_reason"] == m.stop_reason
 
 
+def test_cache_reads_are_reported(client: Any) -> None:
+    """A prompt the prefix cache holds the most of: its pages are cache reads, the rest
+    input_tokens, as Anthropic splits them."""
+    long = [{"role": "user", "content": "import os\nimport sys\n" * 8}]
+    count = client.messages.count_tokens(model=NAME, messages=long).input_tokens
+    for _ in range(2):
+        m = client.messages.create(model=NAME, max_tokens=2, messages=long)
+        assert m.usage.input_tokens + m.usage.cache_read_input_tokens == count
+    assert 0 < m.usage.cache_read_input_tokens < count
+
+
 def test_greedy_text_equals_the_chat_route(client: Any, base: str) -> None:
     """The same conversation (system, turns) through both routes: the same greedy text and
     prompt tokens."""
