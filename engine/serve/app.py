@@ -11,7 +11,7 @@ choice i samples with seed + i, as vLLM does; greedy choices are identical); the
 interleaved as they come, each with its `index`; usage counts the prompt once and every
 choice's tokens; a client that leaves, or a choice that fails, aborts them all.
 `parallel_tool_calls` false keeps the first call the parser returns (its first well-formed
-one) and drops the rest, streamed or not (`ToolLimit`); a forced call (`tool_choice`
+one) and drops the rest, streamed or not (`protocol.ToolLimit`); a forced call (`tool_choice`
 "required" or a named function) or a JSON `response_format` is a grammar the engine enforces
 (`Server.constrain`, `engine.grammar`), so the answer is well-formed (and then holds one call
 without parallel calls). Log-probabilities come in OpenAI's shapes (`chat_logprobs`,
@@ -65,8 +65,6 @@ from engine.request import RequestRejected
 from engine.serve import anthropic, responses
 from engine.serve import protocol as api
 from engine.serve.options import ServeConfig
-from engine.serve.protocol import SSEResponse as _SSEResponse
-from engine.serve.protocol import ToolLimit
 from engine.serve.worker import ClientGone, Engine, Handle, ModelInfo
 from engine.tokenizer import TokenizerError
 from engine.toolcalls import (
@@ -379,7 +377,7 @@ def build_app(llm: Any, served_model_name: str, max_queue: int = 256,
         chat = http.url.path.endswith("/chat/completions")
         body = await srv.read(http, api.ChatRequest if chat else api.CompletionRequest)
         ids, handles, outs = await srv.admit(body)
-        limit = ToolLimit(body.parallel_tool_calls if chat else None)
+        limit = api.ToolLimit(body.parallel_tool_calls if chat else None)
         kind = "chat.completion" + (".chunk" if body.stream else "") if chat else "text_completion"
         head = dict(id=f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", object=kind,
                     created=int(time.time()), model=srv.name)
@@ -487,7 +485,7 @@ def build_app(llm: Any, served_model_name: str, max_queue: int = 256,
             except ClientGone:
                 pass
 
-        return _SSEResponse(events(), close_all)
+        return api.SSEResponse(events(), close_all)
 
     anthropic.register(app, srv)  # /v1/messages, /v1/messages/count_tokens
     responses.register(app, srv)  # /v1/responses
