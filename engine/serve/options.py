@@ -20,9 +20,9 @@ class ServeConfig:
     log_level: Literal["critical", "error", "warning", "info", "debug"] = Field(
         "info", description="how much to log")
     api_key: str | None = Field(
-        None, description="require 'Authorization: Bearer KEY' on /v1/*, /tokenize and "
-                          "/detokenize (default: $KIMI_API_KEY; neither: no key; /health and "
-                          "/metrics stay open)")
+        None, description="require 'Authorization: Bearer KEY' (or 'x-api-key: KEY') on /v1/*, "
+                          "/tokenize and /detokenize (default: $KIMI_API_KEY; neither: no key; "
+                          "/health and /metrics stay open)")
     allowed_hosts: str | None = Field(
         None, description="comma-separated Host header names accepted, '*' any (default: when "
                           "--host is a loopback address, localhost, 127.0.0.1, ::1 and --host; "
