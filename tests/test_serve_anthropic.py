@@ -259,6 +259,9 @@ BAD: list[tuple[str, dict[str, Any], str]] = [
     ("too many stops", {"stop_sequences": list("abcde")}, "stop_sequences"),
     ("tool_result of a number", {"messages": [{"role": "user", "content": [
         {"type": "tool_result", "tool_use_id": "t", "content": 3}]}]}, "messages.0.content.0"),
+    ("system image", {"system": [{"type": "image", "source": {}}]}, "system.0: 'image'"),
+    ("untyped block", {"messages": [{"role": "user", "content": [{"text": "x"}]}]},
+     "messages.0.content.0: a content block needs a type"),
 ]
 
 

@@ -268,6 +268,11 @@ def parse_as(model: type[CountTokensRequest]) -> Any:
     return parse
 
 
+def _param(at: str) -> str:
+    """The body field a block at `at` (`system.0`, `messages.3.content.1`) is in."""
+    return at.split(".", 1)[0]
+
+
 class _Turns:
     """A Messages conversation as the chat template's messages; a 400 naming the block that
     cannot be one."""
@@ -294,7 +299,7 @@ class _Turns:
         out = []
         for j, b in enumerate(content):
             if not isinstance(b.get("type"), str):
-                raise api.bad("messages", f"{where}.{j}: a content block needs a type")
+                raise api.bad(_param(where), f"{where}.{j}: a content block needs a type")
             out.append((f"{where}.{j}", b))
         return out
 
@@ -311,7 +316,7 @@ class _Turns:
     @staticmethod
     def text(at: str, b: dict[str, Any], key: str = "text") -> str:
         if not isinstance(b.get(key), str):
-            raise api.bad("messages", f"{at}.{key}: a string is required")
+            raise api.bad(_param(at), f"{at}.{key}: a string is required")
         return b[key]
 
     @staticmethod
@@ -319,8 +324,7 @@ class _Turns:
         kind = b["type"]
         why = ("this server serves a text-only model: images are not supported yet"
                if kind == "image" else f"{allowed} blocks are allowed here")
-        param = "system" if at.startswith("system") else "messages"
-        raise api.bad(param, f"{at}: {kind!r} blocks are not supported ({why})")
+        raise api.bad(_param(at), f"{at}: {kind!r} blocks are not supported ({why})")
 
     def user(self, blocks: list[tuple[str, dict]], where: str) -> list[dict[str, Any]]:
         out: list[dict[str, Any]] = []
