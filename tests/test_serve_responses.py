@@ -1,6 +1,7 @@
 """OpenAI's Responses API (`/v1/responses`) through the official `openai` client: text, streaming
-(the events in order), function calls and their outputs given back, `previous_response_id`,
-`text.format`, stored responses, the API key, and the bad bodies the OpenAI routes refuse.
+(the events in order), function calls and their outputs given back, reasoning,
+`previous_response_id`, `text.format`, stored responses, a body as Codex CLI sends it, an engine
+failure, the API key, and the bad bodies the OpenAI routes refuse.
 
 Sampling runs on the bundled pair served in this process (tests/test_structured.py's setup);
 function calls and reasoning on the scripted engine of tests/test_serve_tools.py (the app over
@@ -27,7 +28,6 @@ from engine.serve import ServeConfig  # noqa: E402
 from engine.serve.app import build_app  # noqa: E402
 from engine.serve.responses import (  # noqa: E402
     ITEMS,
-    MAX_STORED,
     ResponsesRequest,
     Store,
     messages,
@@ -214,7 +214,6 @@ def test_the_store_keeps_the_last_responses() -> None:
     assert list(store.kept) == ["big"] and store.chars <= store.budget
     store.put({"id": "huge"}, items * 6)  # more than the whole budget: not kept
     assert list(store.kept) == ["big"]
-    assert MAX_STORED == 1000
 
 
 def test_reasoning_and_calls_given_back_become_one_assistant_turn() -> None:
