@@ -7,11 +7,13 @@
 Starts `python -m engine.serve` on a free loopback port (the bundled model by default) with an
 API key and `--request-timeout 2`, then sends `--requests` requests, `--concurrency` at a time,
 drawn in turn from every kind below: good completions and chats (greedy, sampled, streamed or
-not), bodies with bad fields, untyped bodies, wrong keys, bodies declaring more bytes than the
-limit, clients that leave mid-stream, while waiting or mid-body, and bodies that never finish
-(408). It stops early after `--max-seconds`. It then waits for the server to be idle and reports
-the answers' statuses by kind, the server's own counts (`/metrics`), its resident memory after a
-warm-up and at the end, and its free KV pages before and after. The run fails (exit 1) on any
+not), Anthropic Messages (`/v1/messages`) and Responses (`/v1/responses`, stored or not, a
+stored one read back) answers, streamed or not, bodies with bad fields on each of these routes,
+untyped bodies, wrong keys, bodies declaring more bytes than the limit, clients that leave
+mid-stream, while waiting or mid-body, and bodies that never finish (408). It stops early after
+`--max-seconds`. It then waits for the server to be idle and reports the answers' statuses by
+kind, the server's own counts (`/metrics`), its resident memory after a warm-up and at the end,
+and its free KV pages before and after. The run fails (exit 1) on any
 500, a status a kind should never get, or KV pages not all back. `--report` writes
 `bench/reports/soak.md` (`bench.common.write_report`). Only 127.0.0.1 is contacted.
 """
@@ -23,6 +25,7 @@ import asyncio
 import contextlib
 import json
 import random
+import re
 import shlex
 import sys
 import time
@@ -42,9 +45,21 @@ KINDS: dict[str, set[int]] = {
     "greedy": {200}, "sampled": {200}, "stream": {200}, "chat": {200}, "chat-stream": {200},
     "bad-field": {400}, "untyped": {415}, "no-key": {401}, "too-large": {413},
     "leave-stream": {0, 200}, "leave-waiting": {0}, "leave-body": {0}, "slow-body": {408},
+    "messages": {200}, "messages-stream": {200}, "messages-bad": {400},
+    "responses": {200}, "responses-stream": {200}, "responses-bad": {400, 404},
 }
 WARM_UP = 32  # requests before the first memory reading
-MAX_RSS_GROWTH_MIB = 50  # the most the server's memory may grow, from healthy to the end
+# The most the server's memory may grow from the warm-up to the end, less the KV pages the
+# prefix cache wrote meanwhile: a CPU pool's memory is taken as its pages are first written,
+# and the cache keeps its pages (up to the pool), so neither is a leak.
+MAX_RSS_GROWTH_MIB = 50
+KV_POOL_RE = re.compile(r"KV pool: [\d,]+ tokens \(([\d,]+) pages of \d+, ([\d.]+) GB\)")
+
+
+def page_bytes(log: str) -> float:
+    """A KV page's bytes, from the server's `KV pool:` line (0 when it printed none)."""
+    m = KV_POOL_RE.search(log)
+    return float(m.group(2)) * 1e9 / int(m.group(1).replace(",", "")) if m else 0.0
 
 
 def rss_kib(pid: int) -> int:
@@ -79,6 +94,16 @@ async def raw(url: str, data: bytes, read: bool, wait: float) -> int:
         writer.close()
 
 
+async def _read(http: httpx.AsyncClient, url: str, body: dict, stream: bool) -> int:
+    """POSTs `body`; the status, after reading the whole answer (a stream to its end)."""
+    if not stream:
+        return (await http.post(url, json=body)).status_code
+    async with http.stream("POST", url, json=body) as r:
+        async for _ in r.aiter_lines():
+            pass
+        return r.status_code
+
+
 async def one(kind: str, i: int, url: str, http: httpx.AsyncClient, max_tokens: int) -> int:
     rng = random.Random(i)
     prompt = " ".join(rng.choice(["the", "a", "cat", "sat", "on", "mat", "why", "how"])
@@ -103,6 +128,38 @@ async def one(kind: str, i: int, url: str, http: httpx.AsyncClient, max_tokens: 
             return r.status_code
     if kind == "chat":
         return (await http.post(url + "/v1/chat/completions", json=chat)).status_code
+    if kind.startswith("messages"):
+        msgs = {"messages": chat["messages"], "max_tokens": chat["max_tokens"],
+                "system": rng.choice([None, "Be brief."]), "temperature": rng.choice([0.0, 0.8])}
+        if kind == "messages-bad":
+            msgs.update(rng.choice([{"max_tokens": 0}, {"messages": []}, {"top_k": -1},
+                                    {"messages": [{"role": "user", "content": [
+                                        {"type": "image", "source": {}}]}]},
+                                    {"stop_sequences": ["a", "b", "c", "d", "e"]}]))
+        elif kind == "messages-stream":
+            msgs["stream"] = True
+        return await _read(http, url + "/v1/messages", msgs, kind.endswith("stream"))
+    if kind.startswith("responses"):
+        body = {"input": prompt, "max_output_tokens": chat["max_tokens"],
+                "store": rng.random() < 0.5, "temperature": rng.choice([0.0, 0.8])}
+        if kind == "responses-bad":
+            if rng.random() < 0.25:
+                return (await http.get(url + "/v1/responses/resp_unknown")).status_code
+            body.update(rng.choice([{"input": []}, {"max_output_tokens": 0},
+                                    {"previous_response_id": "resp_unknown"},
+                                    {"tool_choice": "sometimes"}, {"top_p": 2}]))
+        elif kind == "responses-stream":
+            body["stream"] = True
+        if kind != "responses" or not body["store"]:
+            return await _read(http, url + "/v1/responses", body, kind.endswith("stream"))
+        r = await http.post(url + "/v1/responses", json=body)
+        if r.status_code != 200:
+            return r.status_code
+        # a stored answer is read back (the same), then deleted
+        stored = await http.get(url + "/v1/responses/" + r.json()["id"])
+        gone = await http.delete(url + "/v1/responses/" + r.json()["id"])
+        same = stored.status_code == 200 and stored.json()["output"] == r.json()["output"]
+        return gone.status_code if same else -2
     if kind == "bad-field":
         bad = rng.choice([{"top_k": 2**63}, {"temperature": float("1e300")}, {"seed": 2**70},
                           {"stop": ["a", "b", "c", "d", "e"]}, {"stop": [""]},
@@ -138,13 +195,13 @@ async def drive(a: argparse.Namespace, server: Server) -> tuple[Counter, int, in
     seen: Counter = Counter()
     gate = asyncio.Semaphore(a.concurrency)
     deadline = time.monotonic() + a.max_seconds
-    warm_rss = 0
+    warm_rss, warm_cached = 0, 0
     sent = 0
 
     async with httpx.AsyncClient(timeout=a.timeout, headers=AUTH,
                                  limits=httpx.Limits(max_connections=a.concurrency)) as http:
         async def gated(i: int) -> None:
-            nonlocal warm_rss
+            nonlocal warm_rss, warm_cached
             async with gate:
                 if time.monotonic() > deadline:
                     return
@@ -157,13 +214,15 @@ async def drive(a: argparse.Namespace, server: Server) -> tuple[Counter, int, in
                 seen[kind, status] += 1
                 if i == WARM_UP:
                     warm_rss = rss_kib(server.proc.pid)
+                    warm_cached = (await http.get(server.url + "/health")).json().get(
+                        "kv_pages_cached", 0)
 
         tasks = []
         for i in range(a.requests):
             tasks.append(asyncio.create_task(gated(i)))
             sent += 1
         await asyncio.gather(*tasks)
-    return seen, warm_rss, sent
+    return seen, (warm_rss, warm_cached), sent
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -191,10 +250,14 @@ def main(argv: list[str] | None = None) -> None:
     server = Server("soak", args, log_path)
     try:
         server.wait_healthy(a.startup_timeout)
-        pages0 = httpx.get(f"{server.url}/health", timeout=10).json()["kv_pages_free"]
+        h0 = httpx.get(f"{server.url}/health", timeout=10).json()
+        pages0 = h0["kv_pages_free"]
         start_rss = rss_kib(server.proc.pid)
         t0 = time.monotonic()
-        seen, warm_rss, sent = asyncio.run(drive(a, server))
+        seen, (warm_rss, warm_cached), sent = asyncio.run(drive(a, server))
+        judged = bool(warm_rss)  # memory is judged after a warm-up only
+        if not judged:
+            warm_rss, warm_cached = start_rss, h0.get("kv_pages_cached", 0)
         seconds = time.monotonic() - t0
         deadline = time.monotonic() + 60
         while True:  # idle: nothing running or waiting, every page back
@@ -223,14 +286,18 @@ def main(argv: list[str] | None = None) -> None:
         if k.startswith(("kimi_requests_total", "kimi_requests_finished_total")) and v:
             lines.append(f"  {k} {v:g}")
     served500 = sum(v for k, v in m.items() if 'status="500"' in k)
-    log = log_path.read_text(errors="replace").splitlines()
-    errors = sum(1 for line in log if line.startswith("ERROR") or "Traceback" in line)
-    grew = (end_rss - start_rss) / 1024
+    text = log_path.read_text(errors="replace")
+    errors = sum(1 for line in text.splitlines() if line.startswith("ERROR") or "Traceback" in line)
+    cache = (h.get("kv_pages_cached", 0) - warm_cached) * page_bytes(text) / 2**20
+    grew = (end_rss - warm_rss) / 1024 - cache
     lines += ["", f"RSS: {start_rss / 1024:.0f} MiB at start, {warm_rss / 1024:.0f} MiB after "
               f"{WARM_UP} requests, {end_rss / 1024:.0f} MiB at the end (growth after the "
-              f"warm-up: {(end_rss - warm_rss) / 1024:+.1f} MiB)",
+              f"warm-up: {(end_rss - warm_rss) / 1024:+.1f} MiB, of which the prefix cache's "
+              f"pages written meanwhile {cache:+.1f} MiB: {grew:+.1f} MiB else)"
+              + ("" if judged else f"; not judged: fewer than {WARM_UP} requests"),
               f"KV pages free: {pages0} before, {h['kv_pages_free']} after",
               f"server log: {errors} ERROR or Traceback lines"]
+    grew = grew if judged else 0.0
     ok = (not bad and not served500 and not errors and grew <= MAX_RSS_GROWTH_MIB
           and h["kv_pages_free"] == pages0)
     why = [*bad, *(["500s"] if served500 else []), *([f"{errors} errors logged"] if errors else []),
