@@ -213,9 +213,11 @@ def test_a_claude_code_request(base: str) -> None:
     body = {
         "model": NAME, "max_tokens": 32000, "temperature": 1, "stream": True,
         "metadata": {"user_id": "user_abc_account_def_session_0f2e"},
-        "system": [{"type": "text", "text": "You are Claude Code.",
+        # NOTE: a long prompt leaves the model few tokens (the file's budget)
+        "system": [{"type": "text", "text": "You are Claude Code, a command line agent.",
                     "cache_control": {"type": "ephemeral"}},
-                   {"type": "text", "text": "Be brief.", "cache_control": {"type": "ephemeral"}}],
+                   {"type": "text", "text": "Answer briefly. " * 5,
+                    "cache_control": {"type": "ephemeral"}}],
         "messages": [{"role": "user", "content": [
             {"type": "text", "text": "<system-reminder>ok</system-reminder>"},
             {"type": "text", "text": "list files", "cache_control": {"type": "ephemeral"}}]}],
