@@ -41,7 +41,10 @@ def test_ctrl_c_with_answers_open(tmp_path: Path) -> None:
             lines = r.iter_lines()
             got = [next(lines)]
             waiter.start()
-            time.sleep(0.3)  # the whole answer's request is in
+            deadline = time.monotonic() + 30
+            while s.health()["active"] < 2:  # the whole answer's request is in too
+                assert time.monotonic() < deadline, s.health()
+                time.sleep(0.05)
             signaled = time.monotonic()
             s.proc.send_signal(signal.SIGINT)
             got += [x for x in lines if x]
