@@ -83,7 +83,7 @@ def test_the_scheduler_fails_only_the_row_that_fails(prefill_too: bool) -> None:
     r = PoisonRunner(prefill_too)
     s = scheduler(r)
     s.isolate = True
-    free = s.alloc.num_free
+    free = s.cache.available
     good = [req(i, [1, 2, 3 + i], max_new_tokens=7) for i in range(3)]
     bad = req(9, [5, 6], max_new_tokens=7, seed=POISON)
     for x in (good[0], bad, *good[1:]):
@@ -98,7 +98,7 @@ def test_the_scheduler_fails_only_the_row_that_fails(prefill_too: bool) -> None:
     assert bad.finish_reason == "error" and not bad.pages
     (err,) = [e for e in events if e.error is not None]
     assert err.req is bad and err.blamed and isinstance(err.error, OverflowError)
-    assert s.alloc.num_free == free and not s.has_work
+    assert s.cache.available == free and not s.has_work
 
 
 def test_the_scheduler_blames_no_one_when_every_row_fails() -> None:
@@ -184,7 +184,7 @@ def test_a_poison_request_fails_alone(inproc: tuple[LLM, str],
     deadline = time.monotonic() + 30
     while sched.has_work and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert not sched.has_work and sched.alloc.num_free == sched.alloc.capacity
+    assert not sched.has_work and sched.cache.available == sched.alloc.capacity
 
 
 def test_the_key_can_come_from_the_environment(inproc: tuple[LLM, str],

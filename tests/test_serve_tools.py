@@ -137,7 +137,10 @@ class ScriptedLLM:
             self.runner, num_pages=80, page_size=16, vocab_size=tokenizer.vocab_size,
             max_batch_size=4, max_model_len=self.max_model_len, stop_ids=tokenizer.stop_ids,
             decoder=lambda: tokenizer.stream_decoder(skip_special_tokens=True),
-            grammars=Grammars(tokenizer, tokenizer.vocab_size))
+            grammars=Grammars(tokenizer, tokenizer.vocab_size),
+            # NOTE: scripts are handed out in prefill order, whatever the prompt: a prefix
+            # cache (which holds back a prompt's copies one step) would reorder them
+            prefix_caching=False)
         self.timer = SimpleNamespace(totals={})
         self._rids = itertools.count()
 
