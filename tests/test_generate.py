@@ -32,7 +32,7 @@ def test_generate_jsonl_and_txt(pair, tmp_path):
     assert [r["index"] for r in rows] == [0, 1, 2, 3]
     assert len(rows[2]["token_ids"]) == 3 and len(rows[0]["token_ids"]) == 6
     assert set(rows[0]) == {"index", "text", "token_ids", "finish_reason", "num_steps",
-                            "accept_lengths"}
+                            "accept_lengths", "cached_tokens"}
     txt = tmp_path / "p.txt"
     txt.write_text("one\ntwo\n")
     assert main(["--model", str(t), "--mode", "ar", "--prompts", str(txt), "--output",
