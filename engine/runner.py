@@ -21,13 +21,13 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-import numpy as np
 import torch
 from torch import Tensor
 
 from engine.config import Logprob, SamplingParams
 from engine.cpu import COMPILE_HINT, CompiledCPUSteps, eager_expert_pass
-from engine.kv_cache import DUMMY_PAGE, KVPool
+from engine.kv_cache import KVPool
+from engine.page_table import StagedPageTables
 from engine.policy import budgets_for_sizes
 from engine.spec import (
     ADJUST_INPUTS,
@@ -220,9 +220,9 @@ class StepGraphRunner:
         self._host_np = {bs: {k: t.numpy() for k, t in host.items()}
                          for bs, host in self.staging.items() if self.device.type != "meta"}
         # What the staging of each padded size holds from the last step, so a step writes only
-        # what changed: each page-table row's (table id, pages); per input, the rows written
+        # what changed: its page tables' rows (`StagedPageTables`); per input, the rows written
         # since they were padding; the sampling parameters its rows were staged with.
-        self.staged_tables: dict[int, list[tuple[int | None, int]]] = {}
+        self.page_tables = StagedPageTables(self.capture_sizes, max_pages)
         self._written: dict[int, dict[str, int]] = {}
         self._staged_params: dict[int, list[SamplingParams]] = {}
         self._sampled: tuple[list[SamplingParams], int] = ([], 0)  # (params, rows that sample)
@@ -512,7 +512,7 @@ class StepGraphRunner:
             width = min(self.max_pages, -(-most // 8) * 8 if self.compiled is not None else most)
         host, hnp = self.staging[size], self._host_np[size]
         written = self._written[size]
-        self._stage_pages(size, hnp["page_table"], inp)
+        self.page_tables.stage(size, hnp["page_table"], inp.pages, inp.tables)
         S = shape.max_emit
         hnp["anchor"][:b] = inp.anchor
         hnp["cache_len"][:b] = inp.cache_len
@@ -542,48 +542,9 @@ class StepGraphRunner:
 
     def _forget(self, bs: int) -> None:
         """The staging of size `bs` is all padding again (after a capture's warm-ups)."""
-        self.staged_tables[bs] = []
+        self.page_tables.forget(bs)
         self._written[bs] = dict.fromkeys(PADDING, 0)
         self._staged_params[bs] = []
-
-    def _stage_pages(self, size: int, pt: np.ndarray, inp: StepInputs) -> None:
-        """Each row's pages into the staged page table `pt [size, W]` (numpy, the staging's
-        memory), writing only what changed since the last step of this size
-        (`StepInputs.tables`): a row whose id was staged keeps its pages (moved to its new row
-        with the others in one gather when rows shifted) and gets the ones added since; any
-        other row is written whole. So the host's work follows the pages a step adds, not the
-        contexts' length: all of them land in one indexed write."""
-        b = len(inp.pages)
-        lens = list(map(len, inp.pages))
-        if max(lens) > self.max_pages:
-            i = next(i for i, n in enumerate(lens) if n > self.max_pages)
-            raise ValueError(f"row {i} holds {lens[i]} pages; the step's page table has "
-                             f"{self.max_pages}")
-        held = self.staged_tables[size]
-        tables: Sequence[int | None] = inp.tables or [None] * b
-        if inp.tables and [t for t, _ in held[:b]] == inp.tables:
-            old = [n for _, n in held[:b]]  # every row where it was (most steps)
-        else:
-            row_of = {t: r for r, (t, _) in enumerate(held) if t is not None}
-            src = [row_of.get(t, -1) if t is not None else -1 for t in tables]
-            moved = [(i, j) for i, j in enumerate(src) if j not in (-1, i)]
-            if moved:
-                dst, frm = zip(*moved)
-                pt[list(dst)] = pt[list(frm)]  # NOTE: numpy gathers the rows before writing
-            old = [held[j][1] if j >= 0 else -1 for j in src]  # -1: not staged
-        W = pt.shape[1]
-        whole, at, pages = [], [], []  # rows written whole; flat positions and their pages
-        for i, n, k in [(i, n, k) for i, (n, k) in enumerate(zip(old, lens)) if n != k]:
-            if k < n or n < 0:  # not staged, or fewer pages than staged (a list replaced)
-                whole.append(i)
-                n = 0
-            at += range(i * W + n, i * W + k)
-            pages += inp.pages[i][n:]
-        if whole:
-            pt[whole] = DUMMY_PAGE
-        if at:
-            pt.put(at, pages)  # at flat positions, in place
-        self.staged_tables[size] = list(zip(tables, lens))  # rows b.. become padding (`_pad`)
 
     def run_loaded(self, buf: StepBuffers, shape: StepShape, width: int) -> None:
         """Run the step over buffers filled by `load` (replay on a GPU, eager elsewhere)."""

@@ -350,7 +350,8 @@ def prefill_costs(a: argparse.Namespace, models: Models, dtype: torch.dtype, gpu
     context, linear in it: measured at one and two chunks of context, summed over the chunks
     (the last one counted whole)."""
     c = cuda_prefill_chunk(a)
-    pool = models.kv_pool(a.page_size, 1 + pages_needed(3 * c, a.page_size), dtype, "meta")
+    longest = max(3 * c, sum(a.cached_turn or ()))
+    pool = models.kv_pool(a.page_size, 1 + pages_needed(longest, a.page_size), dtype, "meta")
     pages = list(range(1, pool.num_pages))
 
     def chunk(start: int, n: int = c) -> dict[str, Any]:
@@ -380,7 +381,33 @@ def prefill_costs(a: argparse.Namespace, models: Models, dtype: torch.dtype, gpu
             r[key] = v + (k - 1) * one[key] + steps * (two[key] - one[key])
         r["seconds"] = {g: roofline(r, GPUS[g], a.tp) for g in gpus}
         rows.append(r)
+    if a.cached_turn:
+        rows += cached_turn_costs(a, models, dtype, gpus, rows, chunk)
     return rows
+
+
+def cached_turn_costs(a: argparse.Namespace, models: Models, dtype: torch.dtype, gpus: list[str],
+                      rows: list[dict[str, Any]], chunk: Any) -> list[dict[str, Any]]:
+    """`--cached-turn NEW,CACHED`: the prompt of CACHED + NEW tokens prefilled cold (as the
+    rows before it) and as an agent's turn whose first CACHED tokens (page-aligned) the prefix
+    cache holds: only NEW tokens computed, in chunks over the cached context, each measured."""
+    if len(a.cached_turn) != 2:
+        raise SystemExit("--cached-turn takes two numbers: NEW,CACHED")
+    new, cached = a.cached_turn
+    cached -= cached % a.page_size
+    c, total = cuda_prefill_chunk(a), cached + new
+    out = []
+    if total not in [r["prompt_len"] for r in rows if "cached" not in r]:
+        cold = prefill_costs(argparse.Namespace(**{**vars(a), "prompt_lens": [total],
+                                                   "cached_turn": None}), models, dtype, gpus)
+        out += cold
+    warm: dict[str, Any] = {"prompt_len": total, "cached": cached, "chunk": c,
+                            "chunks": -(-new // c)}
+    for start in range(cached, total, c):
+        for key, v in chunk(start, min(c, total - start)).items():
+            warm[key] = warm.get(key, 0) + v
+    warm["seconds"] = {g: roofline(warm, GPUS[g], a.tp) for g in gpus}
+    return out + [warm]
 
 
 def shape_cost(a: argparse.Namespace, models: Models, shape: StepShape, bs: int,
@@ -443,6 +470,10 @@ def build_parser() -> argparse.ArgumentParser:
                          "and launches; exit 1 when one does not fit")
     ap.add_argument("--prompt-lens", type=int_list(1), default=[1024, 32768],
                     help="for --rehearse: prompt lengths, each prefilled alone")
+    ap.add_argument("--cached-turn", type=int_list(1), default=[2048, 30720], metavar="NEW,CACHED",
+                    help="with --cost: an agent's turn of NEW tokens over CACHED ones the prefix "
+                         "cache holds, beside the same prompt prefilled cold (default: "
+                         "2048,30720)")
     ap.add_argument("--budgets", type=int_list(1), default=[4, 8, 16, 32])
     ap.add_argument("--context", type=int, default=4096, help="committed tokens per row")
     ap.add_argument("--gpus", default="H200", help=f"comma-separated, of {', '.join(GPUS)}")
@@ -872,7 +903,9 @@ def cost_table(r: dict[str, Any], gpus: list[str]) -> str:
         for x in pre:
             lines.append(f"{x['prompt_len']:>8,} {x['chunks']:>6} {x['flops'] / 1e12:9.1f} "
                          f"{x['bytes'] / 1e9:8.1f} {x['launches']:>10,} "
-                         + " ".join(f"{x['seconds'][g] * 1e3:12.1f}" for g in gpus))
+                         + " ".join(f"{x['seconds'][g] * 1e3:12.1f}" for g in gpus)
+                         + (f"  an agent's turn: {x['cached']:,} tokens cached, "
+                            f"{x['prompt_len'] - x['cached']:,} new" if "cached" in x else ""))
     return "\n".join(lines)
 
 
