@@ -2,11 +2,17 @@
 
     python -m tools.make_tiny --out DIR [--seed S] [--layers N] [--hidden H] [--vocab V]
         [--experts E] [--experts-per-tok K] [--n-group G --topk-group TG] [--first-dense F]
-        [--no-yarn] [--int4-experts] [--fp8] [--shards N] [--dtype bf16|fp32]
+        [--no-yarn] [--int4-experts] [--fp8] [--shards N] [--dtype bf16|fp32] [--vision]
 
 The directory holds `config.json` (model_type `deepseek_v3`, loadable by transformers'
 `DeepseekV3ForCausalLM` unchanged when not quantized), safetensors shards with the real tensor names
 (plus `model.safetensors.index.json` when sharded), and Kimi-format tokenizer files.
+
+With `--vision` it is a K2.5 instead: model_type `kimi_k25`, the text model under `text_config`
+and `language_model.`, and a tiny random vision tower and projector (`vision_tower.*`,
+`mm_projector.*`) whose `vision_config` carries Moonshot's keys (`vt_hidden_size`, ...) and
+transformers' spellings of the same values, so transformers'
+`Kimi_K25ForConditionalGeneration` loads it too.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from safetensors.torch import save_file
 
 from engine.config import ModelConfig
 from engine.models.kimi import KimiForCausalLM
+from engine.models.vision import KimiVision, VisionConfig
 from engine.tokenizer import write_tokenizer_files
 from ops.quant import pack_int4, quantize_fp8_block
 
@@ -122,6 +129,57 @@ def tiny_config(
     return cfg
 
 
+def tiny_vision_config(
+    text: dict[str, Any], *, hidden: int = 64, heads: int = 4, layers: int = 2,
+    intermediate: int = 96, pos_emb: int = 8,
+) -> dict[str, Any]:
+    """A K2.5 `config.json` dict around the text config `text`: Moonshot's wrapper
+    (`kimi_k25`, `media_placeholder_token_id`) and a tiny `vision_config` in Moonshot's keys,
+    with transformers' names of the same values beside them (its config reads only those)."""
+    n_ordinary = text["vocab_size"] - NUM_SPECIAL
+    # Kimi's media specials sit 18..21 after the first special id (163602..163605).
+    media_pad = n_ordinary + 21
+    vision = {
+        "model_type": "kimi_k25_vision",
+        "patch_size": 14,
+        "init_pos_emb_height": pos_emb,
+        "init_pos_emb_width": pos_emb,
+        "init_pos_emb_time": 4,
+        "merge_kernel_size": [2, 2],
+        "vt_hidden_size": hidden,
+        "vt_num_attention_heads": heads,
+        "vt_num_hidden_layers": layers,
+        "vt_intermediate_size": intermediate,
+        "mm_hidden_size": hidden,
+        "mm_projector_type": "patchmerger",
+        "text_hidden_size": text["hidden_size"],
+        # transformers' Kimi_K25VisionConfig spellings:
+        "hidden_size": hidden,
+        "num_attention_heads": heads,
+        "num_hidden_layers": layers,
+        "intermediate_size": intermediate,
+        "pos_emb_height": pos_emb,
+        "pos_emb_width": pos_emb,
+        "pos_emb_time": 4,
+        "hidden_act": "gelu_pytorch_tanh",
+    }
+    return {
+        "architectures": ["KimiK25ForConditionalGeneration"],
+        "model_type": "kimi_k25",
+        "bos_token_id": text["bos_token_id"],
+        "eos_token_id": text["eos_token_id"],
+        "media_placeholder_token_id": media_pad,
+        "image_token_id": media_pad,
+        "vision_start_token_id": n_ordinary + 18,
+        "vision_end_token_id": n_ordinary + 20,
+        "projection_hidden_size": hidden,
+        "tie_word_embeddings": False,
+        "torch_dtype": text["torch_dtype"],
+        "text_config": text,
+        "vision_config": vision,
+    }
+
+
 # ---- weights -----------------------------------------------------------------------------------
 
 
@@ -152,6 +210,32 @@ def random_state_dict(cfg: ModelConfig, seed: int = 0) -> dict[str, torch.Tensor
             t = torch.randn(shape, generator=g) * (2.0 / math.sqrt(shape[1]))
         else:
             t = torch.randn(shape, generator=g) / math.sqrt(shape[1])
+        out[name] = t
+    return out
+
+
+def random_vision_state_dict(config_dict: dict[str, Any], seed: int = 0
+                             ) -> dict[str, torch.Tensor]:
+    """fp32 random tower and projector weights by checkpoint name: linears and the patch conv
+    N(0, 1/in), biases N(0, 0.02^2), norms 1 + N(0, 0.05^2) with biases N(0, 0.05^2), the
+    position table N(0, 0.5^2) (so its resampling shows in the output)."""
+    vcfg = VisionConfig.from_dict(config_dict)
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.device("meta"):
+        names = KimiVision(vcfg).checkpoint_tensors()
+    out: dict[str, torch.Tensor] = {}
+    for name, s in names.items():
+        shape = s.shape
+        if name.endswith("pos_emb.weight"):
+            t = 0.5 * torch.randn(shape, generator=g)
+        elif "norm" in name:
+            base = 1.0 if name.endswith(".weight") else 0.0
+            t = base + 0.05 * torch.randn(shape, generator=g)
+        elif name.endswith(".bias"):
+            t = 0.02 * torch.randn(shape, generator=g)
+        else:
+            fan_in = math.prod(shape[1:])
+            t = torch.randn(shape, generator=g) / math.sqrt(fan_in)
         out[name] = t
     return out
 
@@ -325,19 +409,25 @@ def make_tiny(
     fp8: bool = False,
     shards: int = 1,
     dtype: str = "bf16",
+    vision: bool = False,
     **options: Any,
 ) -> Path:
     """Write a random tiny checkpoint to `out_dir` and return it.
 
     `options` go to `tiny_config` (layers, hidden, vocab, experts, experts_per_tok, n_group,
-    topk_group, first_dense, yarn, and any config.json field override).
+    topk_group, first_dense, yarn, and any config.json field override). With `vision`, a K2.5
+    with a tiny vision tower (`tiny_vision_config`).
     """
     if dtype not in _DTYPES:
         raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
     out_dir = Path(out_dir)
     config_dict = tiny_config(dtype=dtype, **options)
+    if vision:
+        config_dict = tiny_vision_config(config_dict)
     cfg = ModelConfig.from_dict(config_dict, source=str(out_dir / "config.json"))
     state = random_state_dict(cfg, seed)
+    if vision:
+        state.update(random_vision_state_dict(config_dict, seed))
     save_checkpoint(state, config_dict, out_dir, shards=shards, int4_experts=int4_experts,
                     fp8=fp8, dtype=_DTYPES[dtype])
     write_tokenizer_files(out_dir, tiny_mergeable_ranks(cfg.vocab_size - NUM_SPECIAL),
@@ -363,13 +453,15 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--fp8", action="store_true", help="FP8 block-quantized linears")
     p.add_argument("--shards", type=int, default=1)
     p.add_argument("--dtype", choices=sorted(_DTYPES), default="bf16")
+    p.add_argument("--vision", action="store_true",
+                   help="a K2.5 with a tiny vision tower and projector (Moonshot's layout)")
     a = p.parse_args(argv)
     try:
         out = make_tiny(
             a.out, seed=a.seed, int4_experts=a.int4_experts, fp8=a.fp8, shards=a.shards,
             dtype=a.dtype, layers=a.layers, hidden=a.hidden, vocab=a.vocab, experts=a.experts,
             experts_per_tok=a.experts_per_tok, n_group=a.n_group, topk_group=a.topk_group,
-            first_dense=a.first_dense, yarn=not a.no_yarn,
+            first_dense=a.first_dense, yarn=not a.no_yarn, vision=a.vision,
         )
     except ValueError as e:  # includes ConfigError for inconsistent sizes
         p.error(str(e))
