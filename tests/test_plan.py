@@ -3,8 +3,11 @@ them with room for KV, and a step's cost at Kimi's sizes that follows the live w
 
 from __future__ import annotations
 
+import io
 import json
+from contextlib import redirect_stderr, redirect_stdout
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -20,14 +23,34 @@ def _plan(tmp_path: Path, *args: str) -> dict:
     return json.loads(out.read_text())
 
 
-def test_kimi_k25_fits_an_h200_at_tp8(tmp_path, capsys):
-    r = _plan(tmp_path, "--model", str(CONFIGS / "kimi-k2.5-text"), "--tp", "8")
+def captured_plan(tmp_path: Path, *args: str) -> SimpleNamespace:
+    """`_plan` with what it printed (`out`, `err`): a plan run once for a module's tests."""
+    out, err = io.StringIO(), io.StringIO()
+    with redirect_stdout(out), redirect_stderr(err):
+        r = _plan(tmp_path, *args)
+    return SimpleNamespace(r=r, out=out.getvalue(), err=err.getvalue())
+
+
+K25_COST = ["--model", str(CONFIGS / "kimi-k2.5-text"), "--tp", "8", "--cost", "--batch-sizes",
+            "1", "--budgets", "16", "--context", "4096", "--prompt-lens", "64"]
+
+
+@pytest.fixture(scope="module")
+def k25_cost(tmp_path_factory) -> SimpleNamespace:
+    """K2.5 at tp 8 with its default (and full) context limit, with the cost table: its memory
+    table is the plain `--tp 8` one's (the cost flags only add rows)."""
+    return captured_plan(tmp_path_factory.mktemp("k25"), *K25_COST, "--max-model-len", "262144")
+
+
+def test_kimi_k25_fits_an_h200_at_tp8(k25_cost):
+    # NOTE: the model's own max_position_embeddings is 262144, so this is `--tp 8` alone
+    r = k25_cost.r
     # 594 GB as stored over 8 ranks, less what every rank holds whole: about 76 GB
     assert r["weight_bytes_per_rank"] == pytest.approx(76e9, rel=0.03)
     assert r["weight_bytes_by_kind"]["int4_experts"] > 0.9 * r["weight_bytes_per_rank"]
     assert r["kv_bytes_per_token"] == 61 * 576 * 2
     assert r["fits"] is True and r["kv_tokens"] > 262144
-    assert "fits               yes" in capsys.readouterr().out
+    assert "fits               yes" in k25_cost.out
 
 
 def test_kimi_k2_fp8_at_tp8_says_how_little_kv_room_is_left(tmp_path, capsys):
@@ -42,15 +65,13 @@ def test_kimi_k2_fp8_at_tp8_says_how_little_kv_room_is_left(tmp_path, capsys):
     assert r16["fits"] is True and r16["weight_bytes_per_rank"] < 0.55 * r["weight_bytes_per_rank"]
 
 
-def test_step_cost_follows_the_live_work(tmp_path):
+def test_step_cost_follows_the_live_work(tmp_path, k25_cost):
     """Batch 1, budget 16, 4096 tokens of context at K2.5's sizes on 8 ranks: the step reads at
     most 1.5x what its 17 tokens need (this rank's non-expert weights, at most 17 x top-k
     distinct experts per MoE layer as stored, the live KV), the same whatever the context
     limit; the block padding shows in executed FLOPs, not in useful ones."""
-    args = ["--model", str(CONFIGS / "kimi-k2.5-text"), "--tp", "8", "--cost", "--batch-sizes",
-            "1", "--budgets", "16", "--context", "4096", "--prompt-lens", "64"]
-    short = _plan(tmp_path, *args, "--max-model-len", "8192")
-    long = _plan(tmp_path, *args, "--max-model-len", "262144")
+    short = _plan(tmp_path, *K25_COST, "--max-model-len", "8192")
+    long = k25_cost.r
     tree = {r["mode"]: r for r in long["rows"]}["tree"]
     assert tree["budget"] == 16 and tree["batch_size"] == 1
     kinds = long["weight_bytes_by_kind"]
@@ -84,46 +105,6 @@ def test_cost_rows_count_launches_attention_programs_and_prefills(tmp_path, caps
     assert pre[1500]["launches"] > pre[1000]["launches"] > pre[300]["launches"]
     out = capsys.readouterr().out
     assert "attn progs" in out and "prefill cost per rank" in out
-
-
-def test_the_plan_says_the_pool_the_engine_allocates(tmp_path, capsys):
-    """The memory table sizes the KV pool with the engine's rule (`engine.memory`), its default
-    flags and its widest captured step (the shipped CUDA budget policy), and the activations it
-    measures (every captured step at the largest batch size, sampled variants included, and a
-    prefill chunk at CUDA's default) stay within the engine's activation reserve for them."""
-    from engine.config import EngineConfig
-    from engine.kv_cache import pages_needed
-    from engine.memory import GPU_MEMORY_UTILIZATION, PREFILL_CHUNK, size_kv_pool
-    from engine.policy import load_budgets, policy_path
-
-    r = _plan(tmp_path, "--model", str(CONFIGS / "kimi-k2.5-text"), "--draft",
-              str(CONFIGS / "kimi-k2.5-dflash"), "--tp", "8")
-    engine = EngineConfig()
-    assert r["max_batch_size"] == engine.max_batch_size
-    assert r["gpu_memory_utilization"] == engine.gpu_memory_utilization == GPU_MEMORY_UTILIZATION
-    page = engine.page_size
-    want = size_kv_pool(
-        budget_bytes=int(r["gpu_memory_bytes"] * GPU_MEMORY_UTILIZATION),
-        used_bytes=r["weight_bytes_per_rank"] + r["reserve_bytes"],
-        reserve_bytes=sum(r["activation_reserve_bytes"].values()),
-        bytes_per_token=r["kv_bytes_per_token"], page_size=page,
-        max_model_len=r["max_model_len"], pages_per_context=r["kv_pages_per_context"],
-        max_batch_size=engine.max_batch_size)
-    assert r["kv_tokens"] == want.tokens and r["full_context_requests"] == want.contexts >= 1
-    # the policy's widest budget at any size sets the page tables' width (a step emits at most
-    # the drafter's block of 8)
-    most = max(b for t in load_budgets(policy_path("cuda")).values() for b in t.values())
-    assert r["budget"] == most
-    assert r["kv_pages_per_context"] == pages_needed(262144 + min(most + 1, 8), page)
-    steps = r["step_workspace_by_kind"]
-    assert {"greedy", "mixed sort", "sampled/lagging sort"} <= set(steps)
-    assert r["step_workspace_bytes"] == max(steps.values()) > steps["greedy"]
-    assert r["prefill_chunk"] == PREFILL_CHUNK["cuda"]
-    reserve = r["activation_reserve_bytes"]
-    assert r["step_workspace_bytes"] <= reserve["step"]
-    assert 0 < r["prefill_activation_bytes"] <= reserve["prefill"]
-    assert r["reserve_warnings"] == []
-    assert f"engine's KV pool   {want.tokens:,} tokens" in capsys.readouterr().out
 
 
 def test_the_plan_warns_when_a_measured_activation_outgrows_the_engines_estimate(
