@@ -16,16 +16,8 @@ import torch
 from engine import LLM, SamplingParams
 from engine.llm import DEFAULT_DRAFT, DEFAULT_MODEL
 from engine.request import Request
+from tests.test_chunked_prefill import GREEDY, PAGE, SEEDED, ids
 from tests.test_parallel import TESTS, torchrun
-
-PAGE = 16
-GREEDY = SamplingParams(max_new_tokens=12, ignore_eos=True)
-SEEDED = SamplingParams(max_new_tokens=12, ignore_eos=True, temperature=0.8, top_p=0.9, seed=3)
-
-
-def ids(n: int, seed: int) -> list[int]:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, 2800, (n,), generator=g).tolist()
 
 
 @pytest.fixture(scope="module")
