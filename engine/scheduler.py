@@ -9,6 +9,12 @@ prefilled first), runs one spec step for the whole running batch, and applies th
 tokens with stop checks on the host. So a long prompt prefills over several engine steps while
 the running requests keep emitting. Finished requests leave at once and free their pages.
 
+With the prefix cache (`engine.prefix_cache`), a waiting request is admitted over the cached pages
+its context starts with and prefills only the rest; each prefill chunk's whole pages, and a
+request's committed pages when it ends or is preempted, go into the cache; cached pages no
+request holds count as free for admission and are evicted, least recently used first, before any
+request is preempted.
+
 Every model call goes through the runner (`engine.runner.StepGraphRunner`, or anything with its
 `prefill`, `step`, `coins_per_row`, `step_shape` and `shape`, and `last_logprobs` and
 `prompt_logprobs` once a request asks for log-probabilities), which takes host values, not
