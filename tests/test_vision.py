@@ -3,12 +3,16 @@
 
 from __future__ import annotations
 
+import io
 import json
 
+import numpy as np
 import pytest
 import torch
+from PIL import Image as PILImage
 
 from engine.config import ConfigError, ModelConfig
+from engine.media import MediaConfig, load_image
 from engine.models.vision import KimiVision, VisionConfig
 from tools.make_tiny import make_tiny
 
@@ -109,3 +113,20 @@ def test_unsupported_vision_configs_name_the_key():
         VisionConfig.from_dict({"vision_config": {**base, "vt_num_attention_heads": 32}})
     with pytest.raises(ConfigError, match="activation"):
         VisionConfig.from_dict({"vision_config": {**base, "vt_hidden_act": "relu"}})
+
+
+def test_a_preprocessed_image_through_both(hf, tower):
+    """Pixels from engine.media (Moonshot's preprocessing) give transformers' embeddings."""
+    rng = np.random.default_rng(5)
+    img = PILImage.fromarray(rng.integers(0, 256, (150, 200, 3), dtype=np.uint8))
+    buf = io.BytesIO()
+    img.save(buf, format="PNG")
+    image = load_image(buf.getvalue(), MediaConfig(in_patch_limit=48))
+    assert image.tokens == image.grid[0] * image.grid[1] // 4
+    model, _ = hf
+    with torch.no_grad():
+        ref = model.model.get_image_features(
+            image.pixel_values, torch.tensor([[1, *image.grid]])).pooler_output[0]
+        got = tower(image.pixel_values, [image.grid])[0]
+    assert got.shape == (image.tokens, 64)
+    torch.testing.assert_close(got, ref, rtol=0, atol=2e-5)
