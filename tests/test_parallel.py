@@ -85,6 +85,12 @@ def single(model, draft, run) -> tuple[list[list[int]], tuple[int, int], tuple[i
             param_bytes(d) if d is not None else (0, 0))
 
 
+@pytest.fixture(scope="module")
+def singles(pair) -> list[tuple[list[list[int]], tuple[int, int], tuple[int, int]]]:
+    """`single` of each of `RUNS` on `pair`: what every tensor-parallel size must equal."""
+    return [single(*pair, run) for run in RUNS]
+
+
 def run_tp(n: int, model: Path, draft: Path, runs: list[dict], tmp: Path) -> list[list[dict]]:
     spec_file = tmp / "spec.json"
     spec_file.write_text(json.dumps({"model": str(model), "draft": str(draft), "tp": n,
@@ -103,14 +109,14 @@ def check_sharded_bytes(n: int, full: tuple[int, int], got: list[int]) -> None:
 
 
 @pytest.mark.parametrize("n", [2, 4])
-def test_tp_equals_single_process(pair, tmp_path, n):
+def test_tp_equals_single_process(pair, singles, tmp_path, n):
     """Greedy tree / chain / ar and seeded sampling give the single-process tokens exactly, and
     each rank holds 1/n of every split tensor (the drafter splits at 2 and is replicated at 4,
     where its 2 KV heads do not divide)."""
     model, draft = pair
     ranks = run_tp(n, model, draft, RUNS, tmp_path)
     for i, run in enumerate(RUNS):
-        tokens, tbytes, dbytes = single(model, draft, run)
+        tokens, tbytes, dbytes = singles[i]
         assert ranks[0][i]["tokens"] == tokens, run
         for rank in ranks:
             check_sharded_bytes(n, tbytes, rank[i]["target_bytes"])
