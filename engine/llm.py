@@ -348,7 +348,12 @@ class LLM:
             prefill_tokens=prefill_chunk(cfg, device), dtype_bytes=torch.finfo(dtype).bits // 8,
             cuda=device.type == "cuda", bytes_per_token=self.models.kv_bytes_per_token(dtype),
             page_size=cfg.page_size, max_model_len=self.max_model_len,
-            pages_per_context=max_pages, prefix_caching=cfg.enable_prefix_caching)
+            pages_per_context=max_pages,
+            # NOTE: on the CPU the default budget is a guess (a share of the RAM free at start,
+            # which the OS and other processes share): there the cache takes the whole budget
+            # only when --cpu-memory-budget gives one, else it lives in what the batch leaves
+            prefix_caching=cfg.enable_prefix_caching and (
+                device.type == "cuda" or cfg.cpu_memory_budget is not None))
         if self.tp is not None and self.tp.control is not None:
             # NOTE: every rank joins, even one without room, so none waits on a failed peer
             import torch.distributed as dist

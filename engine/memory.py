@@ -16,7 +16,8 @@ The rule, vLLM's `--gpu-memory-utilization`:
 
 With the prefix cache (on by default) every page the memory holds is used: pages past every
 batch slot at full context keep cached prefixes (`PoolSize.cache_tokens`). Without it the pool
-is capped at 1 + max_batch_size x pages per context: more would never be written.
+is capped at 1 + max_batch_size x pages per context: more would never be written. (The engine
+keeps the cap on the CPU under its default budget, a guess: `engine.llm`.)
 """
 
 from __future__ import annotations
