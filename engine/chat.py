@@ -421,6 +421,16 @@ class TextPart(_Open):
     text: str
 
 
+class ImagePart(_Open):
+    """An image: `engine.media` reads its source, the template renders its placeholder."""
+
+    type: Literal["image_url", "image"]
+
+
+# NOTE: told apart by `type`, so a bad part gets the one error of its kind
+Part = Annotated[TextPart | ImagePart, Field(discriminator="type")]
+
+
 class CalledFunction(_Open):
     name: Annotated[str, Field(min_length=1)]
     arguments: str | dict[str, Any]
@@ -436,7 +446,7 @@ class Message(_Open):
 
     role: Literal["system", "user", "assistant", "tool"]
     # NOTE: a string checks as one text part, so a bad value gets one error, not one per type
-    content: Annotated[list[TextPart] | None, BeforeValidator(
+    content: Annotated[list[Part] | None, BeforeValidator(
         lambda v: [{"type": "text", "text": v}] if isinstance(v, str) else v)] = None
     tool_calls: list[ToolCall] | None = None
     name: str | None = None

@@ -32,6 +32,13 @@ from engine.dist import Group
 from engine.grammar import Grammars
 from engine.kv_cache import pages_needed
 from engine.leader import AnnouncingRunner, End, Stop, follow
+from engine.media import (
+    MediaConfig,
+    MediaError,
+    expand_placeholders,
+    load_image_source,
+    message_images,
+)
 from engine.memory import (
     CPU_MEMORY_SHARE,
     KVMemoryError,
@@ -47,6 +54,7 @@ from engine.memory import (
 )
 from engine.models.dflash import DFlashDrafter
 from engine.models.kimi import KimiForCausalLM
+from engine.models.vision import KimiVision, has_vision_weights
 from engine.policy import Policy, default_policy, load_budgets
 from engine.request import Request
 from engine.runner import Logprob, PhaseTimer, StepGraphRunner
@@ -118,6 +126,9 @@ def load_models(cfg: EngineConfig, device: torch.device, dtype: torch.dtype,
             f"Pass --draft DIR (`python -m tools.make_draft --target DIR --out DIR`) or "
             f"use --mode ar.")
     target = KimiForCausalLM.from_dir(model, device, dtype, progress=progress, tp=tp)
+    # NOTE: every rank holds the whole tower and encodes the images of its prefills itself.
+    vision = (KimiVision.from_dir(model, device, dtype)
+              if has_vision_weights(model) else None)
     drafter = (DFlashDrafter.from_dir(draft, target.cfg.hidden_size, device, dtype, tp=tp,
                                       rope_amplitude=cfg.draft_rope_amplitude)
                if cfg.mode != "ar" else None)
@@ -127,7 +138,7 @@ def load_models(cfg: EngineConfig, device: torch.device, dtype: torch.dtype,
         for m in (target, drafter):
             if m is not None:
                 gemm_layout(m)
-    return Models(target, drafter, tp=tp), model
+    return Models(target, drafter, tp=tp, vision=vision), model
 
 
 def step_shapes(mode: str, budget: int | None, block: int, policy: str | Path | None
@@ -290,6 +301,7 @@ class LLM:
         check_fits(cfg, device, dtype, budget)
         self.models, self.model_dir = load_models(cfg, device, dtype, self.tp, progress)
         self.tokenizer = Tokenizer.of_model(self.model_dir)
+        self.media_config = MediaConfig.from_dir(self.model_dir)
         target, drafter = self.models.target, self.models.drafter
         mc = target.cfg
         block = drafter.c.block_size if drafter else 2
@@ -386,7 +398,36 @@ class LLM:
     def encode_prompt(self, prompt: Prompt) -> list[int]:
         """A prompt's token ids: text, token ids, or a dict of one of `prompt`,
         `prompt_token_ids` (vLLM's TextPrompt, TokensPrompt) or `messages` (a conversation, with
-        `tools`, `chat_template_kwargs` and `add_generation_prompt` for the chat template)."""
+        `tools`, `chat_template_kwargs` and `add_generation_prompt` for the chat template).
+        Each image's placeholder is expanded to its tokens (`encode_with_images`)."""
+        return self.encode_with_images(prompt)[0]
+
+    def encode_with_images(self, prompt: Prompt) -> tuple[list[int], list[tuple[int, Any]]]:
+        """A prompt's token ids and its images (`Request.images`): the images of a dict's
+        `multi_modal_data` (`{"image": one or a list}`, vLLM's form: a PIL image, bytes, a
+        data URL or a file path, each matching one `<|media_pad|>` of the prompt in order) or
+        of its `messages`' image parts (`image_url` with a data URL or a file path); each
+        image's placeholder becomes the image's tokens."""
+        sources: list[tuple[str, Any]] = []
+        if isinstance(prompt, dict):
+            mm = (prompt.get("multi_modal_data") or {}).get("image")
+            if mm is not None:
+                mm = mm if isinstance(mm, list | tuple) else [mm]
+                sources = [(f"multi_modal_data.image[{i}]", s) for i, s in enumerate(mm)]
+            elif "messages" in prompt and "prompt_token_ids" not in prompt:
+                sources = message_images(prompt["messages"])
+        ids = self._encode_ids(prompt)
+        if not sources:
+            return ids, []
+        vision = self.models.vision
+        if vision is None:
+            raise MediaError(f"{sources[0][0]}: {self.model_dir} has no vision tower: it takes "
+                             f"no images")
+        images = [load_image_source(s, self.media_config, name, local_files=True)
+                  for name, s in sources]
+        return expand_placeholders(ids, images, vision.cfg.placeholder_id)
+
+    def _encode_ids(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
                 return list(prompt["prompt_token_ids"])
@@ -418,8 +459,9 @@ class LLM:
         """Output text: special tokens (`<|im_end|>`, reserved ids) leave no text."""
         return self.tokenizer.decode(ids, skip_special_tokens=True) if self.tokenizer else ""
 
-    def make_request(self, prompt_ids: list[int], params: SamplingParams) -> Request:
-        req = Request(self._next_id, list(prompt_ids), params)
+    def make_request(self, prompt_ids: list[int], params: SamplingParams,
+                     images: list[tuple[int, Any]] | None = None) -> Request:
+        req = Request(self._next_id, list(prompt_ids), params, images=list(images or ()))
         self._next_id += 1
         return req
 
@@ -490,11 +532,12 @@ class LLM:
         owner: list[int] = []  # each request's prompt (a prompt has n of them, in order)
         for i, (p, sp) in enumerate(zip(prompts, params)):
             try:  # every prompt is checked before any runs
-                ids = self.encode_prompt(p)
+                ids, images = self.encode_with_images(p)
                 for k in range(sp.n):
                     # NOTE: choice k samples with seed + k, as the server's n choices do
                     reqs.append(self.make_request(ids, sp if k == 0 or sp.seed is None else
-                                                  replace(sp, seed=choice_seed(sp.seed, k))))
+                                                  replace(sp, seed=choice_seed(sp.seed, k)),
+                                                  images))
                     owner.append(i)
                     self.scheduler.add(reqs[-1])
             except ValueError as e:

@@ -23,6 +23,7 @@ import io
 import json
 import math
 import warnings
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -196,3 +197,84 @@ def preprocess(img: Any, cfg: MediaConfig = MediaConfig()) -> Image:
 def load_image(data: bytes, cfg: MediaConfig = MediaConfig(), what: str = "image") -> Image:
     """Encoded bytes -> a preprocessed `Image`; errors name `what`."""
     return preprocess(decode_image(data, what), cfg)
+
+
+# ---- prompts -------------------------------------------------------------------------------------
+
+IMAGE_PARTS = ("image_url", "image", "input_image")
+VIDEO_PARTS = ("video_url", "video", "input_video")
+
+
+def load_image_source(src: Any, cfg: MediaConfig = MediaConfig(), what: str = "image", *,
+                      local_files: bool = False,
+                      fetch: Callable[[str, str], bytes] | None = None) -> Image:
+    """An image from what a caller gave: a PIL image, encoded bytes, a `data:` URL, an http(s)
+    URL (only through `fetch(url, what)`), or a file path (only with `local_files`)."""
+    if isinstance(src, bytes | bytearray):
+        return load_image(bytes(src), cfg, what)
+    if not isinstance(src, str):
+        if hasattr(src, "convert") and hasattr(src, "size"):  # a PIL image
+            return preprocess(src, cfg)
+        raise MediaError(f"{what}: expected an image URL, got {type(src).__name__}")
+    if src.startswith("data:"):
+        return load_image(decode_data_url(src, what), cfg, what)
+    if src.startswith(("http://", "https://")):
+        if fetch is None:
+            raise MediaError(f"{what}: fetching images over http(s) is off (only data: URLs)")
+        return load_image(fetch(src, what), cfg, what)
+    path = Path(src.removeprefix("file://"))
+    if not local_files:
+        raise MediaError(f"{what}: expected a data:image/...;base64,... URL")
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        raise MediaError(f"{what}: cannot read image file {str(path)!r} ({e.strerror})") from e
+    return load_image(data, cfg, what)
+
+
+def message_images(messages: Any, where: str = "messages") -> list[tuple[str, Any]]:
+    """`(name, source)` of each image part of chat `messages`, in prompt order: OpenAI's
+    `image_url` (`{"url": ...}` or the URL), Moonshot's `image` and the Responses API's
+    `input_image` (`image_url`). A video part raises (only images are supported)."""
+    out: list[tuple[str, Any]] = []
+    for i, m in enumerate(messages or ()):
+        content = m.get("content") if isinstance(m, dict) else None
+        if not isinstance(content, list):
+            continue
+        for j, part in enumerate(content):
+            if not isinstance(part, dict):
+                continue
+            kind, name = part.get("type"), f"{where}[{i}].content[{j}]"
+            if kind in VIDEO_PARTS:
+                raise MediaError(f"{name}: {kind} parts are not supported (images only)")
+            if kind not in IMAGE_PARTS:
+                continue
+            src = part.get(kind) if kind != "input_image" else part.get("image_url")
+            if src is None and kind == "image":
+                src = part.get("image_url")
+            if isinstance(src, dict):
+                src = src.get("url")
+            if src is None:
+                raise MediaError(f"{name}: {kind} part has no image")
+            out.append((name, src))
+    return out
+
+
+def expand_placeholders(ids: Sequence[int], images: Sequence[Image], pad_id: int,
+                        what: str = "prompt") -> tuple[list[int], list[tuple[int, Image]]]:
+    """Each of `ids`' `pad_id` placeholders (one per image, in order) becomes that image's
+    `tokens` copies; returns the expanded ids and each image's first position in them."""
+    n = sum(1 for t in ids if t == pad_id)
+    if n != len(images):
+        raise MediaError(f"{what}: {n} image placeholders for {len(images)} images")
+    out: list[int] = []
+    where: list[tuple[int, Image]] = []
+    it = iter(images)
+    for t in ids:
+        if t == pad_id:
+            im = next(it)
+            where.append((len(out), im))
+            out.extend([pad_id] * im.tokens)
+        else:
+            out.append(t)
+    return out, where

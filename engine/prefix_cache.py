@@ -33,10 +33,29 @@ it holds. `check_writes` asserts that.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from engine.kv_cache import BlockAllocator, OutOfPages
+
+# A page's key beyond its tokens, by page index (`PageExtra`): what else its rows depend on.
+PageExtra = Callable[[int], tuple[Any, ...]]
+
+
+def image_keys(images: Sequence[tuple[int, Any]], page_size: int) -> PageExtra | None:
+    """The extra key of each page of a prompt with `images` ((first position, image with
+    `digest` and `tokens`), `engine.request.Request.images`): `(digest, offset)` of every
+    image overlapping the page, its offset the image's start from the page's, so an image's
+    placeholder tokens match only where the same image sits at the same place."""
+    if not images:
+        return None
+
+    def extra(i: int) -> tuple[Any, ...]:
+        a, b = i * page_size, (i + 1) * page_size
+        return tuple((im.digest, p - a) for p, im in images if p < b and p + im.tokens > a)
+
+    return extra
 
 
 @dataclass(eq=False)
@@ -44,9 +63,9 @@ class Node:
     """One cached page: its id, its tokens' key under `parent` (None: evicted, or a root)."""
 
     page: int
-    key: tuple[int, ...] = ()
+    key: tuple[Any, ...] = ()
     parent: Node | None = None
-    children: dict[tuple[int, ...], Node] = field(default_factory=dict)
+    children: dict[tuple[Any, ...], Node] = field(default_factory=dict)
 
     @property
     def live(self) -> bool:
@@ -146,22 +165,27 @@ class PrefixCache:
 
     # ---- matching and inserting --------------------------------------------------------------
 
-    def keys(self, tokens: Sequence[int], n: int, first: int = 0) -> list[tuple[int, ...]]:
-        """The keys of whole pages `first .. n - 1` of `tokens`."""
+    def keys(self, tokens: Sequence[int], n: int, first: int = 0,
+             extra: PageExtra | None = None) -> list[tuple[Any, ...]]:
+        """The keys of whole pages `first .. n - 1` of `tokens`: each page's tokens, then its
+        `extra(i)` when given (`image_keys`)."""
         s = self.page_size
-        return [tuple(tokens[i * s:(i + 1) * s]) for i in range(first, n)]
+        return [tuple(tokens[i * s:(i + 1) * s]) + (extra(i) if extra else ())
+                for i in range(first, n)]
 
-    def match(self, tokens: Sequence[int], salt: str | None, limit: int) -> list[int]:
+    def match(self, tokens: Sequence[int], salt: str | None, limit: int,
+              extra: PageExtra | None = None) -> list[int]:
         """The cached pages of the longest cached prefix of `tokens` in whole pages, at most
-        `limit` tokens of it; each matched page becomes the most recently used. Holds none
-        (`hold` them)."""
+        `limit` tokens of it, with the pages' `extra` keys (`keys`); each matched page becomes
+        the most recently used. Holds none (`hold` them)."""
         node = self._roots.get(salt) if self.enabled else None
         pages: list[int] = []
         if node is None:
             return pages
         s = self.page_size
         for i in range(min(limit, len(tokens)) // s):
-            node = node.children.get(tuple(tokens[i * s:(i + 1) * s]))
+            node = node.children.get(tuple(tokens[i * s:(i + 1) * s])
+                                     + (extra(i) if extra else ()))
             if node is None:
                 break
             pages.append(node.page)
@@ -171,12 +195,14 @@ class PrefixCache:
         return pages
 
     def insert(self, tokens: Sequence[int], pages: Sequence[int], salt: str | None,
-               upto: int, cursor: tuple[Node, int] | None = None) -> tuple[Node, int] | None:
+               upto: int, cursor: tuple[Node, int] | None = None,
+               extra: PageExtra | None = None) -> tuple[Node, int] | None:
         """Caches the whole pages of `tokens` below position `upto` (their rows committed in
-        `pages`, a request's page list). A page already cached under the same prefix keeps its
-        cached copy (the request's stays private to it, freed when released). `cursor` is what
-        the last insert of the same request returned (where it stopped), so a request's
-        inserts cost the pages they add; returns the next one."""
+        `pages`, a request's page list), keyed with their `extra` keys (`keys`). A page already
+        cached under the same prefix keeps its cached copy (the request's stays private to it,
+        freed when released). `cursor` is what the last insert of the same request returned
+        (where it stopped), so a request's inserts cost the pages they add; returns the next
+        one."""
         if not self.enabled:
             return None
         n = min(upto, len(tokens)) // self.page_size
@@ -187,7 +213,7 @@ class PrefixCache:
                 node = self._roots[salt] = Node(-1, parent=None)
         if done >= n:
             return node, done
-        for i, key in enumerate(self.keys(tokens, n, done), done):
+        for i, key in enumerate(self.keys(tokens, n, done, extra), done):
             child = node.children.get(key)
             if child is None:
                 page = pages[i]

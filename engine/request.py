@@ -30,6 +30,9 @@ class Request:
     # Prompt tokens whose KV came from the prefix cache at the request's first admission (a
     # preempted request's later hits are not counted): usage's `cached_tokens`.
     cached_tokens: int = 0
+    # The prompt's images: (the position of the image's first placeholder token, the image as
+    # `engine.media.Image`), in prompt order.
+    images: list[tuple[int, Any]] = field(default_factory=list, repr=False)
     prefix_queried: bool = field(default=False, repr=False)  # admitted once (counted)
     # Where the prefix cache's last insert of its pages stopped (`PrefixCache.insert`).
     cache_cursor: Any = field(default=None, repr=False)

@@ -32,6 +32,7 @@ from engine.policy import budgets_for_sizes
 from engine.spec import (
     ADJUST_INPUTS,
     PADDING,
+    Embeds,
     ExpertPass,
     Models,
     StepBuffers,
@@ -93,6 +94,10 @@ class StepInputs:
     tables: list[int] = field(default_factory=list)
 
 
+# Images whose features the runner keeps between the chunks of their prompts.
+IMAGE_CACHE = 4
+
+
 @dataclass
 class PrefillInputs:
     """A prefill of `tokens` at positions `start ..` into `pages` (which hold positions
@@ -105,6 +110,10 @@ class PrefillInputs:
     coin: float = 0.0
     start: int = 0
     mask: Any = None  # the grammar's mask of that token (as in `StepInputs.masks`), if any
+    # The images whose placeholder tokens these positions overlap: (the position of the
+    # image's first token in the whole sequence, the image as `engine.media.Image`). Each
+    # rank encodes them (the tower is replicated) and puts the rows of these positions in.
+    images: list[tuple[int, Any]] = field(default_factory=list)
 
 
 def _logprob(token: int, logprob: float, top: Sequence[float], ids: Sequence[int], k: int
@@ -166,6 +175,7 @@ class StepGraphRunner:
         compile: bool = False, threads: int | None = None,
     ):
         self.models, self.pool = models, pool
+        self._image_cache: dict[str, Tensor] = {}  # digest -> features, oldest first
         self.max_pages = max_pages
         self.max_batch_size = max_batch_size
         self.device = pool.target.device
@@ -397,20 +407,24 @@ class StepGraphRunner:
         (`engine.spec.prefill_chunk`); for each with `params`, the next token (drawn with its
         `coin` unless greedy)."""
         rows: dict[int, Tensor] = {}  # input -> its last position's logits, when wanted
+        embeds = [self._embeds(inp) for inp in inps]
         head = [i for i, inp in enumerate(inps) if inp.start == 0]
         if head:
             tokens, pages = [inps[i].tokens for i in head], [inps[i].pages for i in head]
-            if self.compiled is not None:
+            if self.compiled is not None and not any(embeds[i] for i in head):
                 logits = self.compiled.prefill(tokens, pages)
             else:
+                # NOTE: a prompt with images prefills eagerly: the compiled forward has no
+                # rows to put in.
                 logits = prefill(self.models, self.pool, tokens, pages,
-                                 expert_pass=self.eager_pass)
+                                 expert_pass=self.eager_pass, embeds=[embeds[i] for i in head])
             rows.update((i, row) for i, row in zip(head, logits) if inps[i].params is not None)
         for i, inp in enumerate(inps):
             if inp.start > 0:
                 row = prefill_chunk(self.models, self.pool, inp.tokens, inp.start, inp.pages,
                                     self.eager_pass,
-                                    logits="last" if inp.params is not None else None)
+                                    logits="last" if inp.params is not None else None,
+                                    embeds=embeds[i])
                 if row is not None:
                     rows[i] = row
         out: list[int | None] = [None] * len(inps)
@@ -427,6 +441,38 @@ class StepGraphRunner:
                 self.last_logprobs[i] = [_logprob(token, float(lp[0]), vals[0].tolist(),
                                                   ids[0].tolist(), k)]
         return out
+
+    def _embeds(self, inp: PrefillInputs) -> Embeds | None:
+        """The image rows of `inp`'s positions, at their offsets within its tokens."""
+        a, n = inp.start, len(inp.tokens)
+        offsets: list[int] = []
+        rows: list[Tensor] = []
+        for pos, image in inp.images:
+            lo, hi = max(pos, a), min(pos + image.tokens, a + n)
+            if lo >= hi:
+                continue
+            offsets.extend(range(lo - a, hi - a))
+            rows.append(self._image_features(image)[lo - pos:hi - pos])
+        return Embeds(offsets, torch.cat(rows)) if rows else None
+
+    def _image_features(self, image: Any) -> Tensor:
+        """An image's projected features `[tokens, H]`, encoded once for all the chunks of its
+        prompt (the last few images are kept, by content)."""
+        vision = self.models.vision
+        if vision is None:
+            raise ValueError("this model has no vision tower: it cannot take images")
+        feats = self._image_cache.pop(image.digest, None)
+        if feats is None:
+            dev = self.pool.target.device
+            with torch.inference_mode():
+                feats = vision(image.pixel_values.to(dev), [image.grid])[0]
+            if feats.shape[0] != image.tokens:
+                raise ValueError(f"image of grid {image.grid} gave {feats.shape[0]} rows, its "
+                                 f"prompt holds {image.tokens} tokens")
+        self._image_cache[image.digest] = feats
+        while len(self._image_cache) > IMAGE_CACHE:
+            del self._image_cache[next(iter(self._image_cache))]
+        return feats
 
     def read(self, t: Tensor) -> list[Any]:
         """The one device-to-host copy of a model call's result (`t.tolist()`): a prefill's

@@ -37,7 +37,7 @@ from typing import Any, Protocol
 
 from engine.grammar import GrammarError, Grammars
 from engine.kv_cache import BlockAllocator, OutOfPages, pages_needed
-from engine.prefix_cache import PrefixCache
+from engine.prefix_cache import PrefixCache, image_keys
 from engine.request import Limits, Request, RequestRejected
 from engine.runner import Logprob, PrefillInputs, StepInputs
 
@@ -185,6 +185,10 @@ class Scheduler:
 
     def check(self, req: Request) -> None:
         self.limits.check(req)
+        if req.images and req.params.prompt_logprobs is not None:
+            # NOTE: the prompt's log-probabilities run over its cache again, without its images
+            raise RequestRejected("prompt_logprobs is not supported for prompts with images",
+                                  "prompt_logprobs")
         if req.params.grammar is not None and req.matcher is None:
             # NOTE: the matcher is made here, once, so a grammar that cannot compile is
             # refused with the request (it touches no scheduler state).
@@ -237,7 +241,8 @@ class Scheduler:
         prefix cache, from where its last insert stopped."""
         req.cache_cursor = self.cache.insert(
             req.prompt_ids + req.output_ids, req.pages, req.params.cache_salt,
-            min(req.cache_len, req.fed), req.cache_cursor)
+            min(req.cache_len, req.fed), req.cache_cursor,
+            image_keys(req.images, self.page_size))
 
     def _grow(self, req: Request, num_tokens: int) -> None:
         extra = pages_needed(num_tokens, self.page_size) - len(req.pages)
@@ -249,7 +254,8 @@ class Scheduler:
         last prompt token is always computed again (its logits give the first token); a
         recomputed one samples nothing, so all of its context may hit."""
         limit = len(ctx) - 1 if not req.output_ids else len(ctx)
-        return self.cache.match(ctx, req.params.cache_salt, limit)
+        return self.cache.match(ctx, req.params.cache_salt, limit,
+                                image_keys(req.images, self.page_size))
 
     def _admit(self, req: Request, hit: list[int], ctx: int) -> None:
         """`req` holds the pages of its cached prefix `hit` and new ones for the rest of its
@@ -289,9 +295,10 @@ class Scheduler:
             ctx, start = _context(req), req.cache_len
             first = not req.output_ids and start + n == len(ctx)
             mask = req.matcher.mask() if first and req.matcher is not None else None
+            images = [(p, im) for p, im in req.images if p < start + n and p + im.tokens > start]
             inps.append(PrefillInputs(ctx[start:start + n], list(req.pages),
                                       req.params if first else None,
-                                      req.coins(1)[0] if first else 0.0, start, mask))
+                                      req.coins(1)[0] if first else 0.0, start, mask, images))
             fresh.append(first)
         firsts = self.runner.prefill(inps) if inps else []
         lps = (self.runner.last_logprobs if any(

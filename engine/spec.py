@@ -29,6 +29,7 @@ from engine.dist import Group
 from engine.kv_cache import DUMMY_PAGE, KVPool
 from engine.models.dflash import DFlashDrafter
 from engine.models.kimi import KimiForCausalLM
+from engine.models.vision import KimiVision
 from ops.logits import add_bias_, emitted_logprobs, mask_, token_logprobs
 from ops.sampling import argmax, race_logits, sample_from_probs, target_probs
 from ops.tree import DDTree, build_ddtree, build_ddtree_host, chain_tree
@@ -198,6 +199,8 @@ class Models:
     # How attention reads the paged caches (`engine.attention.select_backend`): the step
     # only calls its hooks.
     attention: AttentionBackend = field(default_factory=TorchBackend)
+    # K2.5's vision tower and projector (whole on every rank), when the checkpoint has them.
+    vision: KimiVision | None = None
 
     def kv_pool(self, page_size: int, num_pages: int, dtype: torch.dtype = torch.float32,
                 device: torch.device | str = "cpu") -> KVPool:
@@ -416,14 +419,17 @@ def commit(models: Models, pool: KVPool, buf: StepBuffers, dec: Decision, aux: T
 
 
 def prefill_forward(target: KimiForCausalLM, ids: Tensor, last: Tensor, aux_layers: Sequence[int],
-                    moe: str, drafter: DFlashDrafter | None = None
+                    moe: str, drafter: DFlashDrafter | None = None,
+                    embeds: tuple[Tensor, Tensor] | None = None,
                     ) -> tuple[Tensor, Tensor | None, Tensor]:
     """The prefill's forward over `ids [B, T]` (at positions `0 ..`) with the expert pass `moe`:
     the logits at `last [B, 1]` (`[B, V]`), the drafter's context rows of every position
     `[draft_layers, B, T, kv_dim]` (None without a drafter) and every layer's cache rows
-    `[layers, B, T, R + P]`."""
+    `[layers, B, T, R + P]`. `embeds`: rows replacing token embeddings
+    (`KimiForCausalLM.embed`)."""
     rows: list[Tensor] = []
-    logits, aux = target(ids, aux_layers, moe=moe, logits_rows=last, cache_rows_out=rows)
+    logits, aux = target(ids, aux_layers, moe=moe, logits_rows=last, cache_rows_out=rows,
+                         embeds=embeds)
     # NOTE: the drafter's context rows are made here, so a compiled prefill makes them in its
     # graph too (eagerly, after the graph, they were 66 small ops of their own).
     ctx = None
@@ -433,16 +439,39 @@ def prefill_forward(target: KimiForCausalLM, ids: Tensor, last: Tensor, aux_laye
     return logits[:, 0], ctx, torch.stack(rows)
 
 
+@dataclass
+class Embeds:
+    """Rows that replace token embeddings in a prefill: `rows [K, H]` at `offsets` (K of them,
+    within the sequence or chunk): an image's projected features at its placeholder tokens."""
+
+    offsets: list[int]
+    rows: Tensor
+
+
+def _flat_embeds(embeds: Sequence[Embeds | None] | None, T: int, dev: torch.device
+                 ) -> tuple[Tensor, Tensor] | None:
+    """`embeds` of `B` sequences padded to `T` tokens as `KimiForCausalLM.embed` takes them:
+    flat indices into the `B * T` tokens and their rows."""
+    parts = [(b, e) for b, e in enumerate(embeds or ()) if e is not None and e.offsets]
+    if not parts:
+        return None
+    where = torch.tensor([b * T + o for b, e in parts for o in e.offsets], device=dev)
+    return where, torch.cat([e.rows for _, e in parts]).to(dev)
+
+
 @torch.no_grad()
 def prefill(models: Models, pool: KVPool, ctxs: Sequence[Sequence[int]],
             pages: Sequence[Sequence[int]], forward: Callable[..., Any] | None = None,
-            expert_pass: ExpertPass = sparse_pass) -> Tensor:
+            expert_pass: ExpertPass = sparse_pass,
+            embeds: Sequence[Embeds | None] | None = None) -> Tensor:
     """One causal forward over the sequences `ctxs` (each at positions `0 ..`, right-padded to
     the longest: a causal token never sees the padding after it) writing each one's target
     latent rows and drafter context K/V into its `pages`; returns each one's last-position
     logits `[B, V]`. `forward`: `prefill_forward` or a compiled one (its length symbolic, and at
     least 2, since a length of 1 would specialize into a graph of its own); `expert_pass` gives
-    its expert pass for the `B x T` tokens (a fixed-shape one for a compiled forward)."""
+    its expert pass for the `B x T` tokens (a fixed-shape one for a compiled forward).
+    `embeds`: for each sequence, None or the rows replacing some of its token embeddings (an
+    image's features at its placeholders: `Embeds`)."""
     lens = [len(c) for c in ctxs]
     if not lens or min(lens) == 0 or len(pages) != len(lens):
         raise ValueError(f"prefill needs one non-empty sequence per page list, got lengths "
@@ -452,15 +481,16 @@ def prefill(models: Models, pool: KVPool, ctxs: Sequence[Sequence[int]],
     ids = torch.tensor([list(c) + [0] * (T - len(c)) for c in ctxs], device=dev)
     last = torch.tensor(lens, device=dev)[:, None] - 1
     moe = expert_pass(B * T)
+    flat = _flat_embeds(embeds, T, dev)
     if forward is None:
         logits, ctx, rows = prefill_forward(models.target, ids, last, models.aux_layers, moe,
-                                            models.drafter)
+                                            models.drafter, flat)
     else:
         import torch._dynamo as dynamo
 
         dynamo.mark_dynamic(ids, 1)
         logits, ctx, rows = forward(models.target, ids, last, models.aux_layers, moe,
-                                    models.drafter)
+                                    models.drafter, flat)
     pos = torch.arange(T, device=dev).expand(B, T)
     # NOTE: the real (unpadded) positions, flat, indexed from the lengths on the host: a
     # boolean mask would make the host wait for the device to count its true elements.
@@ -477,8 +507,8 @@ def prefill(models: Models, pool: KVPool, ctxs: Sequence[Sequence[int]],
 @torch.inference_mode()
 def prefill_chunk(models: Models, pool: KVPool, tokens: Sequence[int], start: int,
                   pages: Sequence[int], expert_pass: ExpertPass = sparse_pass,
-                  write_target: bool = True, feed: bool = True, logits: str | None = "last"
-                  ) -> Tensor | None:
+                  write_target: bool = True, feed: bool = True, logits: str | None = "last",
+                  embeds: Embeds | None = None) -> Tensor | None:
     """One forward of one request's `tokens` at positions `start ..`, its first `start`
     positions already cached in `pages`: the absorbed form over the latent cache (read as the
     attention backend reads a step's prefix: in place on CUDA, gathered over the live pages
@@ -487,8 +517,9 @@ def prefill_chunk(models: Models, pool: KVPool, tokens: Sequence[int], start: in
     `write_target`, and their drafter context rows with `feed` (when there is a drafter).
     Returns their logits (fp32): `logits` "last" the last token's `[V]`, "all" every one's
     `[n, V]`, None none (and the forward stops after the last aux layer when only the
-    drafter's rows are wanted). `expert_pass` gives the expert pass of its tokens. Eager: its
-    lengths follow the request."""
+    drafter's rows are wanted). `expert_pass` gives the expert pass of its tokens. `embeds`:
+    rows replacing some of the tokens' embeddings (`Embeds`, offsets within `tokens`). Eager:
+    its lengths follow the request."""
     target, drafter = models.target, models.drafter
     dev, n = pool.target.device, len(tokens)
     if n == 0 or start < 0:
@@ -512,7 +543,8 @@ def prefill_chunk(models: Models, pool: KVPool, tokens: Sequence[int], start: in
         ids, pos, pool.target, att.slots(table, pool.page_size), ctx_len, causal, rows,
         aux_layers, expert_pass(n), att.prefix(table, n, pool.page_size,
                                                target.cfg.softmax_scale),
-        logits=logits or ("none" if write_target or not aux_layers else "features"))
+        logits=logits or ("none" if write_target or not aux_layers else "features"),
+        embeds=_flat_embeds([embeds], n, dev))
     slots = slot_of(table, pos, pool.page_size)[0]
     if write_target:
         pool.target[:, slots] = rows[:, 0]

@@ -31,7 +31,7 @@ from safetensors.torch import save_file
 from engine.config import ModelConfig
 from engine.models.kimi import KimiForCausalLM
 from engine.models.vision import KimiVision, VisionConfig
-from engine.tokenizer import write_tokenizer_files
+from engine.tokenizer import CHAT_TEMPLATE, CONFIG_FILE, write_tokenizer_files
 from ops.quant import pack_int4, quantize_fp8_block
 
 # Kimi reserves 256 special ids right after the ordinary ranks ([BOS] first, [PAD] last).
@@ -39,6 +39,16 @@ NUM_SPECIAL = 256
 _DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 INT4_GROUP = 32
 FP8_BLOCK = (128, 128)
+# Kimi's media specials, by offset from the first special id (163602..163605 in K2.5).
+MEDIA_SPECIALS = {18: "<|media_begin|>", 19: "<|media_content|>", 20: "<|media_end|>",
+                  21: "<|media_pad|>"}
+# The fallback chat template plus K2.5's rendering of an image part (`<|media_pad|>` is the one
+# placeholder the engine expands to the image's tokens).
+VISION_CHAT_TEMPLATE = CHAT_TEMPLATE.replace(
+    "{{ part['text'] }}",
+    "{%- if part['type'] in ('image', 'image_url') -%}"
+    "<|media_begin|>image<|media_content|><|media_pad|><|media_end|>{{ '\\n' }}"
+    "{%- else -%}{{ part['text'] }}{%- endif -%}")
 
 
 # ---- config ------------------------------------------------------------------------------------
@@ -432,7 +442,20 @@ def make_tiny(
                     fp8=fp8, dtype=_DTYPES[dtype])
     write_tokenizer_files(out_dir, tiny_mergeable_ranks(cfg.vocab_size - NUM_SPECIAL),
                           num_reserved_special=NUM_SPECIAL)
+    if vision:
+        _add_media_specials(out_dir, cfg.vocab_size - NUM_SPECIAL)
     return out_dir
+
+
+def _add_media_specials(out_dir: Path, first_special: int) -> None:
+    """Name the media specials in `tokenizer_config.json` and render image parts in its chat
+    template, as K2.5's tokenizer files do."""
+    path = out_dir / CONFIG_FILE
+    tc = json.loads(path.read_text())
+    for off, name in MEDIA_SPECIALS.items():
+        tc["added_tokens_decoder"][str(first_special + off)]["content"] = name
+    tc["chat_template"] = VISION_CHAT_TEMPLATE
+    path.write_text(json.dumps(tc, indent=2, ensure_ascii=False) + "\n")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -285,12 +285,23 @@ class KimiForCausalLM(nn.Module):
         """This rank's first routed expert bank (every MoE layer's has the same shape)."""
         return next((b.mlp.experts for b in self.model.layers if isinstance(b.mlp, MoE)), None)
 
+    def embed(self, ids: Tensor, embeds: tuple[Tensor, Tensor] | None = None) -> Tensor:
+        """The token embeddings of `ids [B, T]` `[B, T, H]`; with `embeds = (where, rows)`, the
+        flat positions `where [K]` (indices into the `B * T` tokens) take `rows [K, H]`
+        instead: an image's projected features at its placeholder tokens."""
+        h = self.model.embed_tokens(ids)
+        if embeds is None:
+            return h
+        where, rows = embeds
+        return h.flatten(0, 1).index_copy(0, where, rows.to(h.dtype)).view_as(h)
+
     def _rope(self, positions: Tensor) -> tuple[Tensor, Tensor]:
         return rope_cos_sin(positions, self.inv_freq, self.rope_amplitude)
 
     def forward(
         self, input_ids: Tensor, aux_layers: Sequence[int] = (), moe: str = "dense",
         logits_rows: Tensor | None = None, cache_rows_out: list[Tensor] | None = None,
+        embeds: tuple[Tensor, Tensor] | None = None,
     ) -> tuple[Tensor, Tensor | None]:
         """Naive causal forward over `input_ids [B, T]` at positions `0..T-1`, no cache.
 
@@ -298,7 +309,8 @@ class KimiForCausalLM(nn.Module):
         concatenated outputs of decoder layers `aux_layers` `[B, T, n * H]` (None if empty).
         When `cache_rows_out` is a list, each layer's latent cache rows `[B, T, R + P]` are
         appended to it (the prefill stores them in the paged cache). `moe`: how the expert
-        banks dispatch (`ExpertBank.forward`'s mode), as the caller chose it.
+        banks dispatch (`ExpertBank.forward`'s mode), as the caller chose it. `embeds`: rows
+        that replace the token embeddings (`embed`).
         """
         B, T = input_ids.shape
         pos = torch.arange(T, device=input_ids.device).expand(B, T)
@@ -309,7 +321,7 @@ class KimiForCausalLM(nn.Module):
         def attend(attn: MLA, x: Tensor, i: int) -> tuple[Tensor, Tensor]:
             return attn.forward_naive(x, cos, sin, causal)
 
-        h = self.model.embed_tokens(input_ids)
+        h = self.embed(input_ids, embeds)
         aux = []
         for i, layer in enumerate(self.model.layers):
             h, rows = layer(h, attend, moe)
@@ -326,6 +338,7 @@ class KimiForCausalLM(nn.Module):
         self, tokens: Tensor, positions: Tensor, kv_cache: Tensor, slots: Tensor | None,
         ctx_len: Tensor, visible: Tensor, tree_kv_out: Tensor, aux_layers: Sequence[int] = (),
         moe: str = "aligned", prefix: PrefixKernel | None = None, logits: str = "all",
+        embeds: tuple[Tensor, Tensor] | None = None,
     ) -> tuple[Tensor | None, Tensor | None]:
         """Absorbed forward of `Q` query tokens per request against the paged latent cache.
 
@@ -341,7 +354,8 @@ class KimiForCausalLM(nn.Module):
         None for one softmax over the gathered `slots` and the queries' own rows.
         `logits`: "all" (every query's), "last" (each row's last query's, `[bs, 1, V]`), "none"
         (every layer runs, for `tree_kv_out`), or "features" (none, and it stops after the last
-        aux layer: the features alone).
+        aux layer: the features alone). `embeds`: rows that replace the token embeddings
+        (`embed`).
         """
         if logits not in ("all", "last", "none", "features"):
             raise ValueError(f"logits must be all, last, none or features, got {logits!r}")
@@ -353,7 +367,7 @@ class KimiForCausalLM(nn.Module):
             return attn.forward_absorbed(x, cos, sin, kv_cache[i], slots, ctx_len, visible,
                                          tree_kv_out[i], prefix, bias), None
 
-        h = self.model.embed_tokens(tokens)
+        h = self.embed(tokens, embeds)
         aux = []
         last = max(aux_layers) + 1 if logits == "features" else len(self.model.layers)
         for i, layer in enumerate(self.model.layers[:last]):

@@ -35,7 +35,7 @@ from torch import Tensor, nn
 
 from engine.config import ConfigError
 from engine.models.layers import Stored, cast_parameters, checkpoint_tensors
-from engine.weights import load_checkpoint
+from engine.weights import checkpoint_index, load_checkpoint
 from ops.rope import apply_rope_interleaved
 
 _ACTIVATIONS = {"gelu_pytorch_tanh": "tanh", "gelu_tanh": "tanh", "gelu": "none"}
@@ -57,6 +57,8 @@ class VisionConfig:
     rope_theta: float = 10000.0
     text_hidden_size: int = 7168
     projector_ln_eps: float = 1e-5
+    # The prompt's one `<|media_pad|>` per image, expanded to the image's tokens.
+    placeholder_id: int = 163605
     source: str = ""
 
     @property
@@ -97,6 +99,8 @@ class VisionConfig:
             text_hidden_size=int(pick("text_hidden_size",
                                       default=text.get("hidden_size", 7168))),
             projector_ln_eps=float(pick("projector_ln_eps", default=1e-5)),
+            placeholder_id=int(d.get("media_placeholder_token_id",
+                                     d.get("image_token_id", 163605))),
             source=source,
         )
         cfg.validate(v)
@@ -127,6 +131,13 @@ class VisionConfig:
         if mm != self.hidden_size:
             raise ConfigError(f"{where}: mm_hidden_size {mm} differs from the tower's width "
                               f"{self.hidden_size}")
+
+
+def has_vision_weights(path: str | Path) -> bool:
+    """Whether the checkpoint in `path` has a `vision_config` and the tower's tensors (a K2.5
+    whose vision shards were left out serves text only)."""
+    return (VisionConfig.from_dir(path) is not None
+            and "vision_tower.patch_embed.proj.weight" in checkpoint_index(path))
 
 
 # ---- the tower -----------------------------------------------------------------------------------
