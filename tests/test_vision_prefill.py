@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import base64
 import io
+import json
 
 import numpy as np
 import pytest
@@ -14,6 +15,7 @@ import torch
 from PIL import Image as PILImage
 
 from engine import LLM, SamplingParams
+from engine.generate import main
 from engine.media import MediaError
 from engine.request import Request, RequestRejected
 from tools.make_draft import make_draft
@@ -153,3 +155,26 @@ def test_image_prompts_are_checked(llms, tmp_path):
     req = Request(0, ids, SamplingParams(prompt_logprobs=1), images=images)
     with pytest.raises(RequestRejected, match="prompt_logprobs"):
         llm.scheduler.check(req)
+
+
+@pytest.mark.parametrize("mode", ["ar", "tree"])
+def test_engine_generate_reads_image_parts_from_prompt_files(dirs, llms, hf, tmp_path, mode):
+    """`engine.generate`'s messages lines with an image as a file path and as a data URL."""
+    target, draft = dirs
+    img = tmp_path / "a.png"
+    img.write_bytes(_png(60, 40, 1))
+    lines = [
+        [{"type": "text", "text": "see"}, {"type": "image_url", "image_url": {"url": str(img)}}],
+        [{"type": "image_url", "image_url": {"url": _url(_png(100, 30, 2))}},
+         {"type": "text", "text": "what?"}],
+    ]
+    prompts = [{"messages": [{"role": "user", "content": c}]} for c in lines]
+    pf, out = tmp_path / "p.jsonl", tmp_path / "out.jsonl"
+    pf.write_text("".join(json.dumps(p) + "\n" for p in prompts))
+    assert main(["--model", str(target), "--draft", str(draft), "--prompts", str(pf),
+                 "--output", str(out), "--mode", mode, "--max-new-tokens", str(NEW),
+                 "--ignore-eos", "--device", "cpu", "--dtype", "fp32"]) == 0
+    got = [json.loads(line)["token_ids"] for line in out.read_text().splitlines()]
+    for p, tokens in zip(prompts, got):
+        ids, images = llms["ar"].encode_with_images(p)
+        assert tokens == _hf_greedy(hf, ids, images)
