@@ -8,6 +8,11 @@ from __future__ import annotations
 import base64
 import io
 import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -25,6 +30,7 @@ pytest.importorskip("transformers", minversion="5.25")
 
 NEW = 6
 PAGE = 4
+REPO = Path(__file__).resolve().parent.parent
 
 
 def _png(w: int, h: int, seed: int) -> bytes:
@@ -178,3 +184,30 @@ def test_engine_generate_reads_image_parts_from_prompt_files(dirs, llms, hf, tmp
     for p, tokens in zip(prompts, got):
         ids, images = llms["ar"].encode_with_images(p)
         assert tokens == _hf_greedy(hf, ids, images)
+
+
+@pytest.mark.slow  # two torchrun ranks: about 20 s of CPU
+def test_tp2_equals_transformers(dirs, llms, hf, tmp_path):
+    """Under `--tp 2` (gloo, torchrun) each rank encodes the images itself: the tokens are
+    transformers' (so one process's)."""
+    target, draft = dirs
+    prompts = [{"messages": _messages(_png(60, 40, 1), _png(100, 30, 2))}]
+    pf, out = tmp_path / "p.jsonl", tmp_path / "tp.jsonl"
+    pf.write_text("".join(json.dumps(p) + "\n" for p in prompts))
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    r = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+         "--master-addr", "127.0.0.1", "--master-port", str(port), "-m", "engine.generate",
+         "--tp", "2", "--model", str(target), "--draft", str(draft), "--prompts", str(pf),
+         "--output", str(out), "--mode", "tree", "--max-new-tokens", str(NEW), "--ignore-eos",
+         "--device", "cpu", "--dtype", "fp32"],
+        env=env, capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert r.returncode == 0, r.stderr[-4000:]
+    got = [json.loads(line)["token_ids"] for line in out.read_text().splitlines()]
+    ids, images = llms["ar"].encode_with_images(prompts[0])
+    assert got == [_hf_greedy(hf, ids, images)]
