@@ -1,10 +1,10 @@
 """The expert bank and the FP8 linear as torch custom ops, with fake kernels and FLOP formulas.
 
-- `torch.ops.kimi.moe_experts(x, idx, w, w13, w2, block=16)`: float expert weights.
+- `torch.ops.kimi.moe_experts(x, idx, w, w13, w2, block=0)`: float expert weights.
 - `torch.ops.kimi.moe_experts_w4a16(x, idx, w, w13_packed, w13_scale, w2_packed, w2_scale,
-  group_size=32, block=16)`: INT4 pack-quantized expert weights, dequantized per call.
+  group_size=32, block=0)`: INT4 pack-quantized expert weights, dequantized per call.
 - `torch.ops.kimi.moe_experts_fp8(x, idx, w, w13, w13_scale_inv, w2, w2_scale_inv,
-  block_n=128, block_k=128, block=16)`: FP8 block expert weights, dequantized per call.
+  block_n=128, block_k=128, block=0)`: FP8 block expert weights, dequantized per call.
 - `torch.ops.kimi.fp8_linear(x, w, scale_inv, block_n=128, block_k=128)`: FP8 block weights.
 - `torch.ops.kimi.mla_prefix_attention(q_lat, q_pe, kv_cache, page_table, ctx_len, page_size,
   scale)` and `torch.ops.kimi.draft_context_attention(q, draft_cache, page_table, ctx_len,
@@ -16,7 +16,9 @@ Shapes: `x [T, H]`, `idx/w [T, k]` (routing ids and weights; ids outside `[0, E)
 dropped), `w13 [E, 2I, H]` (gate rows then up rows), `w2 [E, H, I]`, packed as in
 `ops.quant.dequant_int4` or float8_e4m3fn with `*_scale_inv [E, ceil(rows/block_n),
 ceil(cols/block_k)]` fp32 per matrix as in `ops.quant.dequant_fp8_block` -> `[T, H]` in x's
-dtype (`block` is the alignment block); only the experts a call routes to are dequantized.
+dtype (`block` is the alignment block; 0, the default, takes it, and on CUDA the kernels' whole
+launch configuration, from `ops.moe.expert_tiles` by the token count `T`: 16-row blocks up to 512
+tokens, 64 or 128 above); only the experts a call routes to are dequantized.
 `fp8_linear`: `x [..., K]`, `w [N, K]` float8_e4m3fn, `scale_inv [ceil(N/block_n),
 ceil(K/block_k)]` fp32 -> `[..., N]`.
 
@@ -40,7 +42,13 @@ from torch import Tensor
 from torch.utils.flop_counter import register_flop_formula
 
 from ops import paged
-from ops.moe import experts_aligned, experts_aligned_fp8, experts_aligned_w4a16, moe_flops
+from ops.moe import (
+    expert_block,
+    experts_aligned,
+    experts_aligned_fp8,
+    experts_aligned_w4a16,
+    moe_flops,
+)
 from ops.quant import fp8_linear_torch
 
 
@@ -72,19 +80,19 @@ def _check_moe(x: Tensor, idx: Tensor, w: Tensor, w13_shape: tuple[int, ...], h1
 
 @torch.library.custom_op("kimi::moe_experts", mutates_args=())
 def moe_experts(x: Tensor, idx: Tensor, w: Tensor, w13: Tensor, w2: Tensor,
-                block: int = 16) -> Tensor:
+                block: int = 0) -> Tensor:
     """Routed expert bank, float weights: `x [T, H]`, `idx/w [T, k]`, `w13 [E, 2I, H]`,
     `w2 [E, H, I]` -> `[T, H]`."""
     if _use_triton(x):
         from ops.moe_triton import moe_experts_triton
 
         return moe_experts_triton(x, idx, w, w13, w2, block)
-    return experts_aligned(x, idx, w, w13, w2, block)
+    return experts_aligned(x, idx, w, w13, w2, expert_block(x.shape[0], block))
 
 
 @moe_experts.register_fake
 def _moe_experts_fake(x: Tensor, idx: Tensor, w: Tensor, w13: Tensor, w2: Tensor,
-                      block: int = 16) -> Tensor:
+                      block: int = 0) -> Tensor:
     _check_moe(x, idx, w, tuple(w13.shape), x.shape[1], tuple(w2.shape))
     return x.new_empty(x.shape)
 
@@ -92,7 +100,7 @@ def _moe_experts_fake(x: Tensor, idx: Tensor, w: Tensor, w13: Tensor, w2: Tensor
 @torch.library.custom_op("kimi::moe_experts_w4a16", mutates_args=())
 def moe_experts_w4a16(x: Tensor, idx: Tensor, w: Tensor, w13_packed: Tensor,
                       w13_scale: Tensor, w2_packed: Tensor, w2_scale: Tensor,
-                      group_size: int = 32, block: int = 16) -> Tensor:
+                      group_size: int = 32, block: int = 0) -> Tensor:
     """Routed expert bank over INT4 pack-quantized weights: `w13_packed [E, 2I, H/8]` int32,
     `w13_scale [E, 2I, H/group]`, `w2_packed [E, H, I/8]`, `w2_scale [E, H, I/group]`."""
     if _use_triton(x):
@@ -101,13 +109,13 @@ def moe_experts_w4a16(x: Tensor, idx: Tensor, w: Tensor, w13_packed: Tensor,
         return moe_experts_w4a16_triton(x, idx, w, w13_packed, w13_scale, w2_packed, w2_scale,
                                         group_size, block)
     return experts_aligned_w4a16(x, idx, w, w13_packed, w13_scale, w2_packed, w2_scale,
-                                 group_size, block)
+                                 group_size, expert_block(x.shape[0], block))
 
 
 @moe_experts_w4a16.register_fake
 def _moe_experts_w4a16_fake(x: Tensor, idx: Tensor, w: Tensor, w13_packed: Tensor,
                             w13_scale: Tensor, w2_packed: Tensor, w2_scale: Tensor,
-                            group_size: int = 32, block: int = 16) -> Tensor:
+                            group_size: int = 32, block: int = 0) -> Tensor:
     torch._check(w13_packed.dtype == torch.int32 and w2_packed.dtype == torch.int32,
                  lambda: "packed expert weights must be int32")
     _check_moe(x, idx, w, tuple(w13_packed.shape), -(-x.shape[1] // 8), tuple(w2_packed.shape))
@@ -117,7 +125,7 @@ def _moe_experts_w4a16_fake(x: Tensor, idx: Tensor, w: Tensor, w13_packed: Tenso
 @torch.library.custom_op("kimi::moe_experts_fp8", mutates_args=())
 def moe_experts_fp8(x: Tensor, idx: Tensor, w: Tensor, w13: Tensor, w13_scale_inv: Tensor,
                     w2: Tensor, w2_scale_inv: Tensor, block_n: int = 128, block_k: int = 128,
-                    block: int = 16) -> Tensor:
+                    block: int = 0) -> Tensor:
     """Routed expert bank over FP8 block weights: `w13 [E, 2I, H]`, `w2 [E, H, I]`
     float8_e4m3fn, `w13_scale_inv [E, 2I/block_n, H/block_k]`, `w2_scale_inv [E, H/block_n,
     I/block_k]` fp32."""
@@ -127,13 +135,13 @@ def moe_experts_fp8(x: Tensor, idx: Tensor, w: Tensor, w13: Tensor, w13_scale_in
         return moe_experts_fp8_triton(x, idx, w, w13, w13_scale_inv, w2, w2_scale_inv,
                                       (block_n, block_k), block)
     return experts_aligned_fp8(x, idx, w, w13, w13_scale_inv, w2, w2_scale_inv,
-                               (block_n, block_k), block)
+                               (block_n, block_k), expert_block(x.shape[0], block))
 
 
 @moe_experts_fp8.register_fake
 def _moe_experts_fp8_fake(x: Tensor, idx: Tensor, w: Tensor, w13: Tensor, w13_scale_inv: Tensor,
                           w2: Tensor, w2_scale_inv: Tensor, block_n: int = 128,
-                          block_k: int = 128, block: int = 16) -> Tensor:
+                          block_k: int = 128, block: int = 0) -> Tensor:
     torch._check(w13.dtype == torch.float8_e4m3fn and w2.dtype == torch.float8_e4m3fn,
                  lambda: "FP8 expert weights must be float8_e4m3fn")
     _check_moe(x, idx, w, tuple(w13.shape), x.shape[1], tuple(w2.shape))
@@ -209,26 +217,26 @@ def _draft_context_fake(q: Tensor, draft_cache: Tensor, page_table: Tensor, ctx_
 
 
 @register_flop_formula(torch.ops.kimi.moe_experts)
-def _moe_experts_flop(x_shape, idx_shape, w_shape, w13_shape, w2_shape, block: int = 16, *,
+def _moe_experts_flop(x_shape, idx_shape, w_shape, w13_shape, w2_shape, block: int = 0, *,
                       out_shape=None, **kwargs) -> int:
     (T, k), (E, i2, H) = idx_shape, w13_shape
-    return moe_flops(T, k, E, H, i2 // 2, block)[0]
+    return moe_flops(T, k, E, H, i2 // 2, expert_block(T, block))[0]
 
 
 @register_flop_formula(torch.ops.kimi.moe_experts_w4a16)
 def _moe_experts_w4a16_flop(x_shape, idx_shape, w_shape, w13_packed_shape, w13_scale_shape,
                             w2_packed_shape, w2_scale_shape, group_size: int = 32,
-                            block: int = 16, *, out_shape=None, **kwargs) -> int:
+                            block: int = 0, *, out_shape=None, **kwargs) -> int:
     (T, k), (E, i2) = idx_shape, w13_packed_shape[:2]
-    return moe_flops(T, k, E, x_shape[1], i2 // 2, block)[0]
+    return moe_flops(T, k, E, x_shape[1], i2 // 2, expert_block(T, block))[0]
 
 
 @register_flop_formula(torch.ops.kimi.moe_experts_fp8)
 def _moe_experts_fp8_flop(x_shape, idx_shape, w_shape, w13_shape, w13_scale_inv_shape, w2_shape,
                           w2_scale_inv_shape, block_n: int = 128, block_k: int = 128,
-                          block: int = 16, *, out_shape=None, **kwargs) -> int:
+                          block: int = 0, *, out_shape=None, **kwargs) -> int:
     (T, k), (E, i2, H) = idx_shape, w13_shape
-    return moe_flops(T, k, E, H, i2 // 2, block)[0]
+    return moe_flops(T, k, E, H, i2 // 2, expert_block(T, block))[0]
 
 
 @register_flop_formula(torch.ops.kimi.fp8_linear)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -145,6 +146,53 @@ ALIGNED_CHUNK_BYTES = 1 << 28
 
 def _round_up(n: int, m: int) -> int:
     return -(-n // m) * m
+
+
+class ExpertTiles(NamedTuple):
+    """One launch configuration of the grouped expert GEMMs (`ops.moe_triton`): the alignment
+    block, which is also the row tile (`block_m`); caps on the column and reduction tiles
+    (`block_n`, `block_k`); the row tiles a group of programs walks together (`group_m`; 1
+    keeps the plain 2-D grid), and the launch's warps and pipeline stages."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    group_m: int
+    num_warps: int
+    num_stages: int
+
+
+# The expert GEMMs' configurations, keyed by the tokens one expert pass carries: `(most tokens,
+# tiles)`, first match wins. Small passes (at most 512 tokens: the steps of small batches) keep
+# 16-row blocks, as vLLM's tuned fused-MoE tables do up to 512 tokens. Larger passes (prefill
+# chunks, steps of large batches) take 64-row blocks, as vLLM's H200 tables for E=384 and E=256
+# do from about 1,536 tokens (BLOCK_N 128, BLOCK_K 128-256, GROUP_M 16, 3 stages): at sm_90a a
+# 64-row `tl.dot` compiles to Hopper's `wgmma` where 16 rows give `mma.sync`, and each decoded
+# weight tile serves four times the rows. Decoding INT4 in registers needs 8 warps at 128-wide
+# tiles (4 spill), and BLOCK_K 64 keeps the pipelined INT4 words at 104 KB of shared memory
+# (128: 208 KB, one program per SM). Chunks of 8k tokens and more take 128-row blocks, which
+# read each expert's weights about once. `python -m graphs.kernels --arch sm_90a` compiles every
+# entry the engine launches and reports its MMA, registers, spills and shared memory.
+EXPERT_TILES: tuple[tuple[int | None, ExpertTiles], ...] = (
+    (512, ExpertTiles(16, 64, 64, 1, 4, 3)),
+    (8191, ExpertTiles(64, 128, 64, 16, 8, 3)),
+    (None, ExpertTiles(128, 128, 64, 16, 8, 3)),
+)
+
+
+def expert_tiles(tokens: int) -> ExpertTiles:
+    """The `EXPERT_TILES` entry for an expert pass over `tokens` tokens: fixed by the shape, so
+    a captured step keeps one configuration on every replay."""
+    for most, tiles in EXPERT_TILES:
+        if most is None or tokens <= most:
+            return tiles
+    raise AssertionError("EXPERT_TILES ends with a catch-all entry")
+
+
+def expert_block(tokens: int, block: int = 0) -> int:
+    """The alignment block of an expert pass over `tokens` tokens: `block` when given (non-zero),
+    else `expert_tiles(tokens).block_m`."""
+    return block or expert_tiles(tokens).block_m
 
 
 def moe_align_capacity(num_pairs: int, num_experts: int, block: int) -> int:
@@ -371,9 +419,10 @@ def moe_flops(T: int, k: int, E: int, H: int, I: int, block: int) -> tuple[int, 
 def fused_workspace_bytes(T: int, k: int, H: int, inter: int, act_bytes: int) -> int:
     """Bytes the grouped Triton expert kernels (`ops.moe_triton._fused_experts`) allocate
     beside their output for `T` tokens of `k` experts each, hidden `H`, expert width `inter`:
-    every (token, expert) pair's fp32 output and gate/up rows and its activation row in the
-    input's dtype (`act_bytes`), and the fp32 sum over the `k` slots."""
-    return T * k * (H * 4 + 2 * inter * 4 + inter * act_bytes) + T * H * 4
+    every (token, expert) pair's fp32 output row and its activation row in the input's dtype
+    (`act_bytes`; the gate and up GEMM applies SiLU in its epilogue, so no gate/up rows), and
+    the fp32 sum over the `k` slots."""
+    return T * k * (H * 4 + inter * act_bytes) + T * H * 4
 
 
 def moe_bytes(T: int, k: int, E: int, H: int, I: int, *, weights: str = "bf16",  # noqa: E741

@@ -8,26 +8,34 @@ torch twins (same rounding points) are `ops.moe.experts_aligned`, `experts_align
 `experts_aligned_fp8`.
 
 Design, as vLLM's fused MoE: one grouped GEMM kernel, `ops.quant_triton.dequant_gemm` in its
-aligned mode, launched twice over the alignment's blocks (`BLOCK_M = block`; each block holds
+aligned mode, launched twice over the alignment's blocks (each block holds `BLOCK_M = block`
 rows of one expert, its `block_expert` entry; the kernel reads that expert's weight tiles, plain,
-INT4-unpacked or FP8-scaled, and writes each pair's row):
+INT4-unpacked or FP8-scaled, decodes each tile once for all the block's rows, and writes each
+pair's row):
 
-1. `x` rows gathered by token (`pair // k`) times `w13 [E, 2I, H]` -> the fp32 intermediate
-   `[T*k, 2I]` (gate columns then up columns) at the pair's row.
-2. In torch, `silu(gate) * up` from those fp32 values, rounded once to x's dtype -> `[T*k, I]`,
-   exactly as the twin rounds.
-3. Those rows (the pair's own, `top_k = 1`) times `w2 [E, H, I]`, times the pair's routing
+1. `x` rows gathered by token (`pair // k`) times `w13 [E, 2I, H]`, gated: a program computes
+   a tile of gate columns and the matching up columns, and its epilogue applies `silu(gate) *
+   up` in fp32, rounded once to x's dtype as the twin rounds -> `[T*k, I]` at the pair's row
+   (no fp32 gate/up rows in memory).
+2. Those rows (the pair's own, `top_k = 1`) times `w2 [E, H, I]`, times the pair's routing
    weight -> the fp32 `y [T*k, H]` at the pair's row (each pair appears once in the alignment,
    so no atomics); `y.view(T, k, H).sum(1)` then reduces the k slots in slot order,
-   deterministically.
+   deterministically. NOTE: a token's k pairs sit in k different experts' blocks, so reducing
+   them in place inside the kernel needs float atomics, whose order (and so the output's bits)
+   would change from run to run; the per-pair rows keep the result reproducible and equal to
+   the twin's summation order.
 
-Both grids, `(cap // block, cdiv(N, BLOCK_N))`, depend on `(T, k, E, block)` and the weight
-shapes only; a program whose block starts at or past `num_padded` returns at once, so one CUDA
-graph serves every routing (graph-safe, no host sync). Padding rows (pair id `T*k`) load zeros
-and store nothing; dropped pairs (ids outside `[0, E)`) get no row: no kernel writes or reads
-their intermediate rows (left as allocated), and their rows of `y` stay zero. INT4 and FP8
-tiles are rounded to x's dtype bit for bit as `ops.quant.dequant_int4` / `dequant_fp8_block`
-with `dtype=x.dtype`, so a quantized bank gives the float kernel's bits on the dequantized bank.
+The launch configuration follows the tokens (`ops.moe.expert_tiles`, unless `block` or `tiles`
+pins it): 16-row blocks on the 2-D grid `(cap // block, cdiv(N, BLOCK_N))` for passes of up to
+512 tokens (steps), 64- or 128-row blocks on a GROUP_M-swizzled flat grid with 8 warps and 3
+pipeline stages above (prefill chunks; `wgmma` on sm_90a). Either grid depends on `(T, k, E)` and
+the weight shapes only; a program whose block starts at or past `num_padded` returns at once,
+so one CUDA graph serves every routing (graph-safe, no host sync). Padding rows (pair id `T*k`)
+load zeros and store nothing; dropped pairs (ids outside `[0, E)`) get no row: no kernel writes
+or reads their intermediate rows (left as allocated), and their rows of `y` stay zero. INT4 and
+FP8 tiles are rounded to x's dtype bit for bit as `ops.quant.dequant_int4` /
+`dequant_fp8_block` with `dtype=x.dtype`, so a quantized bank gives the float kernel's bits on
+the dequantized bank.
 Kernel details (tiles, constexpr shapes) are in `ops.quant_triton`, the interpreter notes in
 `ops.triton_util`.
 """
@@ -35,10 +43,9 @@ Kernel details (tiles, constexpr shapes) are in `ops.quant_triton`, the interpre
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
-from ops.moe import moe_align_block_size
+from ops.moe import ExpertTiles, expert_tiles, moe_align_block_size
 from ops.paged_grid import pow2_tile
 from ops.quant_triton import dequant_gemm
 
@@ -46,13 +53,18 @@ from ops.quant_triton import dequant_gemm
 def _fused_experts(
     x: Tensor, idx: Tensor, w: Tensor, w13: Tensor, s13: Tensor | None, w2: Tensor,
     s2: Tensor | None, inter: int, fmt: str, scale_block: tuple[int, int], block: int,
-    block_n: int, block_k: int,
+    block_n: int, block_k: int, tiles: ExpertTiles | None,
 ) -> Tensor:
     """Shared launcher for every weight format `fmt` of `dequant_gemm` ("plain", "int4", "fp8"
-    as uint8 bytes), with scales `s13` / `s2` (None for plain) per `scale_block`. What it
+    as uint8 bytes), with scales `s13` / `s2` (None for plain) per `scale_block`. The launch
+    configuration: `tiles` when given; else `block` with `block_n` / `block_k` on the plain
+    grid (4 warps, 3 stages) when `block` is non-zero; else `ops.moe.expert_tiles(T)`. What it
     allocates beside its output: `ops.moe.fused_workspace_bytes`."""
     T, H = x.shape
     k = idx.shape[1]
+    if tiles is None:
+        tiles = ExpertTiles(block, block_n, block_k, 1, 4, 3) if block else expert_tiles(T)
+    block = tiles.block_m
     if block < 16:
         raise ValueError(f"block must be at least 16 for tl.dot, got {block}")
     align = moe_align_block_size(idx, w13.shape[0], block)
@@ -61,36 +73,41 @@ def _fused_experts(
     if align[0].shape[0] == 0:
         return y.view(T, k, H).sum(1).to(x.dtype)
 
-    def gemm(a: Tensor, wt: Tensor, scale: Tensor | None, out: Tensor, **rows) -> None:
-        tiles = (block, pow2_tile(out.shape[1], hi=block_n), pow2_tile(a.shape[1], hi=block_k))
+    def gemm(a: Tensor, wt: Tensor, scale: Tensor | None, out: Tensor, gated: bool = False,
+             **rows) -> None:
+        # NOTE: a gated program decodes gate and up rows: half the columns keep its weight
+        # tile at BLOCK_N rows.
+        bn = pow2_tile(out.shape[1], hi=max(16, tiles.block_n // 2) if gated else tiles.block_n)
         dequant_gemm(a, wt, out, weight=fmt, scale=scale, scale_block=scale_block, align=align,
-                     tiles=tiles, **rows)
+                     gated=gated, tiles=(block, bn, pow2_tile(a.shape[1], hi=tiles.block_k)),
+                     group_m=tiles.group_m, num_warps=tiles.num_warps,
+                     num_stages=tiles.num_stages, **rows)
 
-    gate_up = torch.empty(n, 2 * inter, dtype=torch.float32, device=x.device)
-    gemm(x, w13, s13, gate_up, top_k=k)
-    h = (F.silu(gate_up[:, :inter]) * gate_up[:, inter:]).to(x.dtype)
+    h = torch.empty(n, inter, dtype=x.dtype, device=x.device)
+    gemm(x, w13, s13, h, top_k=k, gated=True)
     gemm(h, w2, s2, y, routed=w.reshape(-1).contiguous())
     return y.view(T, k, H).sum(1).to(x.dtype)
 
 
 def moe_experts_triton(
-    x: Tensor, idx: Tensor, w: Tensor, w13: Tensor, w2: Tensor, block: int = 16, *,
-    block_n: int = 64, block_k: int = 64,
+    x: Tensor, idx: Tensor, w: Tensor, w13: Tensor, w2: Tensor, block: int = 0, *,
+    block_n: int = 64, block_k: int = 64, tiles: ExpertTiles | None = None,
 ) -> Tensor:
     """Fused expert bank with float weights. `x [T, H]` (bf16/fp16/fp32), `idx/w [T, k]`,
     `w13 [E, 2I, H]` (gate rows then up rows), `w2 [E, H, I]` -> `[T, H]` in x's dtype.
 
     `block` (16..128, a power of two) is the alignment block and the row tile; `block_n` and
-    `block_k` cap the column and reduction tiles.
+    `block_k` cap the column and reduction tiles. `block = 0` (the default) takes the whole
+    configuration from `ops.moe.expert_tiles` by the token count; `tiles` sets it outright.
     """
     return _fused_experts(x, idx, w, w13, None, w2, None, w13.shape[1] // 2, "plain", (1, 1),
-                          block, block_n, block_k)
+                          block, block_n, block_k, tiles)
 
 
 def moe_experts_w4a16_triton(
     x: Tensor, idx: Tensor, w: Tensor, w13_packed: Tensor, w13_scale: Tensor,
-    w2_packed: Tensor, w2_scale: Tensor, group_size: int = 32, block: int = 16, *,
-    block_n: int = 64, block_k: int = 64,
+    w2_packed: Tensor, w2_scale: Tensor, group_size: int = 32, block: int = 0, *,
+    block_n: int = 64, block_k: int = 64, tiles: ExpertTiles | None = None,
 ) -> Tensor:
     """Fused expert bank over INT4 pack-quantized weights (W4A16, dequantized in the kernel).
 
@@ -102,13 +119,13 @@ def moe_experts_w4a16_triton(
         raise TypeError("packed expert weights must be int32")
     return _fused_experts(x, idx, w, w13_packed, w13_scale, w2_packed, w2_scale,
                           w13_packed.shape[1] // 2, "int4", (1, group_size), block, block_n,
-                          block_k)
+                          block_k, tiles)
 
 
 def moe_experts_fp8_triton(
     x: Tensor, idx: Tensor, w: Tensor, w13: Tensor, w13_scale_inv: Tensor, w2: Tensor,
-    w2_scale_inv: Tensor, scale_block: tuple[int, int] = (128, 128), block: int = 16, *,
-    block_n: int = 64, block_k: int = 64,
+    w2_scale_inv: Tensor, scale_block: tuple[int, int] = (128, 128), block: int = 0, *,
+    block_n: int = 64, block_k: int = 64, tiles: ExpertTiles | None = None,
 ) -> Tensor:
     """Fused expert bank over FP8 block weights (dequantized in the kernel).
 
@@ -118,4 +135,4 @@ def moe_experts_fp8_triton(
     """
     w13b, w2b = (t if t.dtype == torch.uint8 else t.view(torch.uint8) for t in (w13, w2))
     return _fused_experts(x, idx, w, w13b, w13_scale_inv, w2b, w2_scale_inv, w13.shape[1] // 2,
-                          "fp8", scale_block, block, block_n, block_k)
+                          "fp8", scale_block, block, block_n, block_k, tiles)

@@ -23,7 +23,10 @@ grid `(cap // block, cdiv(N, BLOCK_N))`, `ops.moe_triton` describes its use): ea
 one block of one expert, row `r` the pair `p = sorted_ids[r]`, read from A's row `p // top_k`,
 optionally times the routing weight `p`, stored at C's row `p` (each pair once: no atomics);
 padding rows load zeros and store nothing, and blocks at or past `num_padded` exit at once.
-Both grids depend on shapes only (graph-safe, no host sync). `N` and `K` are constexpr: one
+`GATED` (the experts' gate and up GEMM) reads gate rows and the matching up rows in one weight
+tile and stores `silu(gate) * up`; `GROUP_M > 1` flattens either grid and walks it GROUP_M row
+tiles at a time down each column of tiles (L2 reuse). Both grids depend on shapes only
+(graph-safe, no host sync). `N` and `K` are constexpr: one
 compile per weight shape, known trip counts, and Triton 3.6's interpreter with numpy >= 2.4
 cannot take a runtime loop bound (`int()` of a 1-element array); row counts stay runtime.
 Tiles are powers of two, at least 16 on every `tl.dot` dimension; 64-bit offsets come from the
@@ -52,15 +55,26 @@ from ops.triton_util import ieee_dots, kernel_for, rne_bf16
 @triton.jit
 def _dequant_gemm_kernel(
     a_ptr, w_ptr, s_ptr, c_ptr, rw_ptr, ids_ptr, bexp_ptr, npad_ptr,
-    M, top_k,
+    M, top_k, m_blocks,
     s_am, s_ak, s_we, s_wn, s_wk, s_se, s_sn, s_sk, s_cm, s_cn,
     N: tl.constexpr, K: tl.constexpr, WEIGHT: tl.constexpr,
     SCALE_N: tl.constexpr, SCALE_K: tl.constexpr, ALIGNED: tl.constexpr, ROUTED: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GATED: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     IEEE: tl.constexpr, RNE_W: tl.constexpr, RNE_C: tl.constexpr,
 ):
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
+    if GROUP_M == 1:
+        pid_m = tl.program_id(0)
+        pid_n = tl.program_id(1)
+    else:
+        # One flat grid walked GROUP_M row tiles at a time down each column of tiles: the
+        # programs running together share GROUP_M row tiles and a few weight tiles in L2.
+        n_blocks: tl.constexpr = (N + BLOCK_N - 1) // BLOCK_N
+        pid = tl.program_id(0)
+        first_m = (pid // (GROUP_M * n_blocks)) * GROUP_M
+        group = tl.minimum(m_blocks - first_m, GROUP_M)
+        pid_m = first_m + (pid % (GROUP_M * n_blocks)) % group
+        pid_n = (pid % (GROUP_M * n_blocks)) // group
     if ALIGNED:
         if pid_m * BLOCK_M >= tl.load(npad_ptr):
             return
@@ -74,28 +88,39 @@ def _dequant_gemm_kernel(
     live = dst < M
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = rn < N
+    if GATED:
+        # Weight rows: the tile's BLOCK_N gate rows, then the up rows N further on.
+        WN: tl.constexpr = 2 * BLOCK_N
+        wj = tl.arange(0, WN)
+        wn = pid_n * BLOCK_N + wj % BLOCK_N
+        wn_ok = wn < N
+        wn = wn + (wj // BLOCK_N) * N
+    else:
+        WN: tl.constexpr = BLOCK_N
+        wn = rn
+        wn_ok = n_ok
     w_base = w_ptr + e * s_we
     s_base = s_ptr + e * s_se
-    acc = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
+    acc = tl.full((BLOCK_M, WN), 0.0, tl.float32)
     for k0 in range(0, K, BLOCK_K):
         rk = k0 + tl.arange(0, BLOCK_K)
         k_ok = rk < K
         a = tl.load(a_ptr + src[:, None] * s_am + rk[None, :] * s_ak,
                     mask=live[:, None] & k_ok[None, :], other=0.0)
-        w_mask = k_ok[:, None] & n_ok[None, :]
-        # The [BLOCK_K, BLOCK_N] weight tile, in A's dtype.
+        w_mask = k_ok[:, None] & wn_ok[None, :]
+        # The [BLOCK_K, WN] weight tile, in A's dtype.
         if WEIGHT == "plain":
-            b = tl.load(w_base + rk[:, None] * s_wk + rn[None, :] * s_wn, mask=w_mask, other=0.0)
+            b = tl.load(w_base + rk[:, None] * s_wk + wn[None, :] * s_wn, mask=w_mask, other=0.0)
         else:
             if WEIGHT == "int4":
-                word = tl.load(w_base + (rk[:, None] // 8) * s_wk + rn[None, :] * s_wn,
+                word = tl.load(w_base + (rk[:, None] // 8) * s_wk + wn[None, :] * s_wn,
                                mask=w_mask, other=0)
                 q = (((word >> ((rk[:, None] % 8) * 4)) & 0xF) - 8).to(tl.float32)
             else:
-                byte = tl.load(w_base + rk[:, None] * s_wk + rn[None, :] * s_wn, mask=w_mask,
+                byte = tl.load(w_base + rk[:, None] * s_wk + wn[None, :] * s_wn, mask=w_mask,
                                other=0)
                 q = byte.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-            sc = tl.load(s_base + (rn[None, :] // SCALE_N) * s_sn + (rk[:, None] // SCALE_K) * s_sk,
+            sc = tl.load(s_base + (wn[None, :] // SCALE_N) * s_sn + (rk[:, None] // SCALE_K) * s_sk,
                          mask=w_mask, other=0.0)
             b = q * sc.to(tl.float32)
             if RNE_W:
@@ -106,6 +131,10 @@ def _dequant_gemm_kernel(
             acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
         else:
             acc = tl.dot(a, b, acc)
+    if GATED:
+        # silu(gate) * up in fp32, rounded once to C's dtype below (as the twin rounds).
+        gate, up = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N)), (0, 2, 1)))
+        acc = gate / (1.0 + tl.exp(-gate)) * up
     if ROUTED:
         acc = acc * tl.load(rw_ptr + dst, mask=live, other=0.0).to(tl.float32)[:, None]
     if RNE_C:
@@ -118,7 +147,8 @@ def _dequant_gemm_kernel(
 def dequant_gemm(
     a: Tensor, w: Tensor, out: Tensor, *, weight: str = "plain", scale: Tensor | None = None,
     scale_block: tuple[int, int] = (1, 1), align: tuple[Tensor, Tensor, Tensor] | None = None,
-    top_k: int = 1, routed: Tensor | None = None, tiles: tuple[int, int, int],
+    top_k: int = 1, routed: Tensor | None = None, gated: bool = False,
+    tiles: tuple[int, int, int], group_m: int = 1, num_warps: int = 4, num_stages: int = 3,
 ) -> None:
     """Launch `_dequant_gemm_kernel` into `out [M, N]` for `a [rows, K]` and the weight `w
     [E, N, *]` of format `weight` ("plain", "int4", "fp8"; see the module docstring) with
@@ -128,7 +158,11 @@ def dequant_gemm(
     Dense (`align is None`, `E = 1`): `out[m] = a[m] @ W.T`. Aligned (`align = (sorted_ids,
     block_expert, num_padded)` of `M` pairs, `BLOCK_M` its block): `out[p] = a[p // top_k] @
     W_e.T` (times `routed[p]` when given) for each pair `p` in a block of expert `e`; rows of
-    `out` that belong to no block are left as they were.
+    `out` that belong to no block are left as they were. `gated`: the weight holds `2N` rows,
+    gate rows then up rows, and `out[:, n] = silu(gate_n) * up_n` (computed in fp32, rounded
+    once to out's dtype): a program computes BLOCK_N gate and the matching up columns.
+    `group_m > 1` walks a flat grid `group_m` row tiles at a time down each column of tiles (L2
+    reuse of the rows and the weight tiles); 1 keeps the 2-D grid `(row tiles, column tiles)`.
     """
     bm, bn, bk = tiles
     M, N = out.shape
@@ -137,18 +171,21 @@ def dequant_gemm(
     rw = routed if routed is not None else out
     if align is None:
         ids = bexp = npad = out
-        grid = (triton.cdiv(M, bm), triton.cdiv(N, bn))
+        m_blocks = triton.cdiv(M, bm)
     else:
         ids, bexp, npad = align
-        grid = (ids.shape[0] // bm, triton.cdiv(N, bn))
+        m_blocks = ids.shape[0] // bm
+    n_blocks = triton.cdiv(N, bn)
+    grid = (m_blocks, n_blocks) if group_m == 1 else (m_blocks * n_blocks,)
     kernel_for(_dequant_gemm_kernel, a.device)[grid](
-        a, w, s, out, rw, ids, bexp, npad, M, top_k,
+        a, w, s, out, rw, ids, bexp, npad, M, top_k, m_blocks,
         a.stride(0), a.stride(1), w.stride(0), w.stride(1), w.stride(2),
         s.stride(0), s.stride(1), s.stride(2), out.stride(0), out.stride(1),
         N=N, K=a.shape[1], WEIGHT=weight, SCALE_N=scale_block[0], SCALE_K=scale_block[1],
-        ALIGNED=align is not None, ROUTED=routed is not None, BLOCK_M=bm, BLOCK_N=bn,
-        BLOCK_K=bk, IEEE=ieee_dots(a.dtype, a.device), RNE_W=rne_bf16(a.dtype, a.device),
-        RNE_C=rne_bf16(out.dtype, out.device), num_warps=4,
+        ALIGNED=align is not None, ROUTED=routed is not None, GATED=gated, BLOCK_M=bm,
+        BLOCK_N=bn, BLOCK_K=bk, GROUP_M=group_m, IEEE=ieee_dots(a.dtype, a.device),
+        RNE_W=rne_bf16(a.dtype, a.device), RNE_C=rne_bf16(out.dtype, out.device),
+        num_warps=num_warps, num_stages=num_stages,
     )
 
 
