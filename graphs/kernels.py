@@ -36,9 +36,10 @@ from engine.config import DraftConfig, ModelConfig
 from engine.memory import PREFILL_CHUNK
 
 ARCHS = {"sm_90a": 90, "sm_90": 90, "sm_100a": 100, "sm_80": 80}
-# Step batches and tree budgets whose launches are recorded (configurations are deduplicated).
+# Step batches and target rows a step request carries (plain decoding: 1; a tree of the default
+# budget: 17) whose launches are recorded (configurations are deduplicated).
 STEP_BATCHES = (1, 8, 64)
-STEP_BUDGET = 16
+STEP_ROWS = (1, 17)
 
 
 @dataclass
@@ -143,9 +144,9 @@ def expert_launches(cfg: ModelConfig, tp: int, tokens: dict[str, list[int]]) -> 
 def attention_launches(cfg: ModelConfig, draft: DraftConfig | None, tp: int, chunk: int,
                        page_size: int, context: int) -> list[Launch]:
     """The attention kernels' launches on one rank: the paged MLA prefix attention of steps
-    (each batch's tree rows) and of a prefill chunk over its cached prefix, the drafter's
-    context attention of steps, and the MHA prefill kernel's causal and prefix passes when
-    `ops.prefill_triton` is present."""
+    (each batch's target rows, `STEP_ROWS`) and of a prefill chunk over its cached prefix, the
+    drafter's context attention of steps, and the MHA prefill kernel's causal and prefix passes
+    when `ops.prefill_triton` is present."""
     import ops.attention_triton as at
 
     heads = cfg.num_attention_heads // tp
@@ -168,7 +169,8 @@ def attention_launches(cfg: ModelConfig, draft: DraftConfig | None, tp: int, chu
             _meta(bs * pages * page_size, R + P), table, ctx, page_size, 1.0)
 
     for bs in STEP_BATCHES:
-        record("step attention", mla(bs, STEP_BUDGET + 1), batch=bs, rows=STEP_BUDGET + 1)
+        for rows in STEP_ROWS:
+            record("step attention", mla(bs, rows), batch=bs, rows=rows)
     record("prefill attention", mla(1, chunk), batch=1, rows=chunk)
     if draft is not None:
         nh = draft.num_attention_heads // tp
@@ -274,7 +276,7 @@ def audit(cfg: ModelConfig, draft: DraftConfig | None, tp: int, *, arch: str = "
     it ("experts", "attention", "step", "prefill")."""
     launches: list[Launch] = []
     if only is None or "attention" not in only:
-        steps = sorted({bs * (STEP_BUDGET + 1) for bs in STEP_BATCHES})
+        steps = sorted({bs * rows for bs in STEP_BATCHES for rows in STEP_ROWS})
         launches += expert_launches(cfg, tp, {"step experts": steps, "prefill experts": [chunk]})
     if only is None or "experts" not in only:
         launches += attention_launches(cfg, draft, tp, chunk, page_size, context)
