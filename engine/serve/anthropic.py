@@ -8,9 +8,10 @@ constrained, run and read by the same `Server.admit`, `Server.constrain`, `Serve
   (a string or text blocks; `is_error` prefixes "Error: ") are tool messages, its text blocks
   one user message; an assistant turn's `tool_use` blocks are its tool calls, its `thinking`
   its reasoning (`redacted_thinking` and signatures are dropped); several text blocks are
-  joined by newlines. `image` and `document` blocks, server tools and a final assistant turn (a
-  prefill) are refused with a 400 naming them. `cache_control` is accepted anywhere and changes
-  nothing (the engine has a prefix cache of its own).
+  joined by newlines; a user turn's `image` blocks (base64 sources) are image parts of its
+  message, where the model has a vision tower. `document` blocks, server tools and a final
+  assistant turn (a prefill) are refused with a 400 naming them. `cache_control` is accepted
+  anywhere and changes nothing (the engine has a prefix cache of its own).
 - `tools` are functions (`input_schema` their parameters, a top-level `$schema` dropped);
   `tool_choice` `auto`, `any` (the chat route's "required": a grammar), `tool` (a named
   function, forced the same way) or `none`; `disable_parallel_tool_use` is
@@ -322,26 +323,51 @@ class _Turns:
     @staticmethod
     def refuse(at: str, b: dict[str, Any], allowed: str) -> None:
         kind = b["type"]
-        why = ("this server serves a text-only model: images are not supported yet"
-               if kind == "image" else f"{allowed} blocks are allowed here")
+        why = f"{allowed} blocks are allowed here"
         raise api.bad(_param(at), f"{at}: {kind!r} blocks are not supported ({why})")
 
     def user(self, blocks: list[tuple[str, dict]], where: str) -> list[dict[str, Any]]:
         out: list[dict[str, Any]] = []
-        texts: list[str] = []
+        parts: list[dict[str, Any]] = []  # text (adjacent blocks joined by newlines) and images
+
+        def flush() -> None:
+            if any(p["type"] == "image_url" for p in parts):
+                out.append({"role": "user", "content": list(parts)})
+            else:
+                out.append({"role": "user", "content": "".join(p["text"] for p in parts)})
+            parts.clear()
+
         for at, b in blocks:
             if b["type"] == "text":
-                texts.append(self.text(at, b))
+                text = self.text(at, b)
+                if parts and parts[-1]["type"] == "text":
+                    parts[-1] = {"type": "text", "text": parts[-1]["text"] + "\n" + text}
+                else:
+                    parts.append({"type": "text", "text": text})
+            elif b["type"] == "image":
+                parts.append({"type": "image_url", "image_url": {"url": self.image(at, b)}})
             elif b["type"] == "tool_result":
-                if texts:
-                    out.append({"role": "user", "content": "\n".join(texts)})
-                    texts = []
+                if parts:
+                    flush()
                 out.append(self.tool_result(at, b))
             else:
-                self.refuse(at, b, "text and tool_result")
-        if texts or not out:
-            out.append({"role": "user", "content": "\n".join(texts)})
+                self.refuse(at, b, "text, image and tool_result")
+        if parts or not out:
+            flush()
         return out
+
+    @staticmethod
+    def image(at: str, b: dict[str, Any]) -> str:
+        """An image block's source as a URL: base64 data as a `data:` URL (a `url` source is
+        passed on, and refused unless fetching is on)."""
+        src = b.get("source")
+        kind = src.get("type") if isinstance(src, dict) else None
+        if kind == "base64" and isinstance(src.get("data"), str):
+            return f"data:{src.get('media_type') or 'image/png'};base64,{src['data']}"
+        if kind == "url" and isinstance(src.get("url"), str):
+            return src["url"]
+        raise api.bad(_param(at), f"{at}.source: an image needs a base64 source (type, "
+                                  f"media_type, data)")
 
     def tool_result(self, at: str, b: dict[str, Any]) -> dict[str, Any]:
         content = b.get("content", "")

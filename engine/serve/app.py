@@ -61,6 +61,7 @@ from engine.grammar import (
     reasoning_prefix,
     tool_call_grammar,
 )
+from engine.media import Image, MediaError, expand_placeholders, load_image_source, message_images
 from engine.request import RequestRejected
 from engine.serve import anthropic, responses
 from engine.serve import protocol as api
@@ -216,11 +217,13 @@ class Server:
         if chat or isinstance(prompt, str):
             self.check_bytes(param, body.content_bytes() if chat else len(
                 prompt.encode("utf-8", "surrogatepass")))
+        images = await self.images(param, prompt) if chat else []
         try:
             ids = (list(prompt) if not chat and isinstance(prompt, list) else await
                    run_in_threadpool(tok.apply_chat_template if chat else tok.encode, prompt, **kw))
         except TokenizerError as e:
             raise api.bad(param, str(e)) from e
+        ids, placed = self.expand(param, ids, images)
         n, limit = len(ids), self.model.max_model_len
         if n + 1 > limit:
             raise api.bad(param, f"{param} has {n} tokens, but this model's context limit is "
@@ -244,7 +247,7 @@ class Server:
         handles: list[Handle] = []
         try:
             for p in choice_params(params, body.n):
-                h = Handle(self.model.make_request(ids, p), stream=body.stream)
+                h = Handle(self.model.make_request(ids, p, placed), stream=body.stream)
                 self.engine.submit(h)
                 self.active += 1
                 handles.append(h)
@@ -258,6 +261,42 @@ class Server:
         outs = [OutputStream(tok, ids, params.stop, **body.parsing() if chat else {},
                              request_tools=kw.get("tools")) if tok else None for _ in handles]
         return ids, handles, outs
+
+    async def images(self, param: str, messages: list[dict[str, Any]]) -> list[Image]:
+        """The images of a conversation's image parts, decoded and preprocessed off the event
+        loop: `data:` URLs only (no fetching); a video part, too many images, or a bad image is
+        a 400 naming the part."""
+        try:
+            found = message_images(messages, param)
+        except MediaError as e:
+            raise api.bad(param, str(e)) from e
+        if not found:
+            return []
+        if self.model.image_pad is None:
+            raise api.bad(param, f"{found[0][0]}: this model takes no images (it has no vision "
+                                 f"tower)")
+        limit = self.cfg.limit_mm_per_prompt
+        if limit is not None and len(found) > limit:
+            raise api.bad(param, f"{param} holds {len(found)} images; at most {limit} per prompt "
+                                 f"(--limit-mm-per-prompt)")
+        media = self.model.media
+        try:
+            return await run_in_threadpool(
+                lambda: [load_image_source(src, media, name) for name, src in found])
+        except MediaError as e:
+            raise api.bad(param, str(e)) from e
+
+    def expand(self, param: str, ids: list[int], images: list[Image]
+               ) -> tuple[list[int], list[tuple[int, Image]]]:
+        """`ids` with each image's placeholder expanded to its tokens, and where each image
+        starts (`engine.media.expand_placeholders`)."""
+        if not images:
+            return ids, []
+        assert self.model.image_pad is not None
+        try:
+            return expand_placeholders(ids, images, self.model.image_pad, param)
+        except MediaError as e:
+            raise api.bad(param, str(e)) from e
 
     async def constrain(self, body: api.ChatRequest, ids: list[int], params: SamplingParams
                         ) -> SamplingParams:
@@ -503,7 +542,9 @@ def build_app(llm: Any, served_model_name: str, max_queue: int = 256,
             if isinstance(body, api.TokenizeChatRequest):
                 srv.check_bytes(param, body.content_bytes())
                 messages, kw = body.template_inputs()
+                images = await srv.images(param, messages)
                 ids = await run_in_threadpool(tok.apply_chat_template, messages, **kw)
+                ids = srv.expand(param, ids, images)[0]
                 text = (await run_in_threadpool(tok.render_chat_template, messages, **kw)
                         if body.return_prompt else None)
             else:

@@ -34,6 +34,8 @@ class ServeConfig:
         5.0, description="seconds an idle keep-alive connection stays open (uvicorn's)")
     limit_concurrency: Annotated[int, Field(ge=1)] = Field(
         1024, description="connections (or requests) at once before 503 (uvicorn's)")
+    limit_mm_per_prompt: Annotated[int, Field(ge=0)] | None = Field(
+        None, description="images one prompt may hold, at most (default: no limit; 0: none)")
     max_body_bytes: Annotated[int, Field(ge=1024)] = Field(
         16 << 20, description="largest request body accepted before 413")
     reserve_cpus: Annotated[int, Field(ge=0)] = Field(

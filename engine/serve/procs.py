@@ -89,6 +89,8 @@ def frontend(cfg: ServeConfig, model_dir: Path, commands: Connection, reports: C
     import uvicorn
 
     from engine.grammar import Grammars
+    from engine.media import MediaConfig
+    from engine.models.vision import VisionConfig, has_vision_weights
     from engine.serve.app import build_app, uvicorn_options
     from engine.serve.worker import Engine, ModelInfo, Remote
     from engine.tokenizer import Tokenizer
@@ -101,8 +103,11 @@ def frontend(cfg: ServeConfig, model_dir: Path, commands: Connection, reports: C
     if not isinstance(ready, Ready):  # the core could not start (it says why)
         return
     lim = ready.limits
+    vision = VisionConfig.from_dir(model_dir) if has_vision_weights(model_dir) else None
     model = ModelInfo(tok, lim.max_model_len, lim.vocab_size,
-                      Grammars(tok, lim.vocab_size) if tok else None)
+                      Grammars(tok, lim.vocab_size) if tok else None,
+                      vision.placeholder_id if vision is not None else None,
+                      MediaConfig.from_dir(model_dir))
     engine = Engine(link=Remote(commands, reports, lim, ready.snapshot))
     app = build_app(None, ready.name, cfg.max_queue, config=cfg, model=model, engine=engine)
     log.info("serving %r on http://%s:%d (max_model_len %d, %d KV pages)", ready.name, cfg.host,

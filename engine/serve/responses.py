@@ -106,7 +106,16 @@ class RefusalPart(api._Strict):
     refusal: str
 
 
-Part = Annotated[TextPart | RefusalPart, Field(discriminator="type")]
+class ImagePart(api._Strict):
+    """An image as a `data:` URL (`image_url`); `detail` is accepted and ignored."""
+
+    type: Literal["input_image"]
+    image_url: str | None = None
+    file_id: str | None = None
+    detail: str | None = None
+
+
+Part = Annotated[TextPart | RefusalPart | ImagePart, Field(discriminator="type")]
 
 
 class MessageItem(api._Strict):
@@ -121,7 +130,22 @@ class MessageItem(api._Strict):
     def text(self) -> str:
         c = self.content
         return c if isinstance(c, str) else "".join(
-            p.text if isinstance(p, TextPart) else p.refusal for p in c)
+            p.text if isinstance(p, TextPart) else p.refusal for p in c
+            if not isinstance(p, ImagePart))
+
+    @property
+    def chat_content(self) -> str | list[dict[str, Any]]:
+        """The chat message's content: the text, or with images its parts in order (an
+        `input_image` as an `image_url` part; one without `image_url` is kept as given, so the
+        chat route names it)."""
+        c = self.content
+        if isinstance(c, str) or not any(isinstance(p, ImagePart) for p in c):
+            return self.text
+        return [{"type": "image_url", "image_url": {"url": p.image_url}}
+                if isinstance(p, ImagePart) and p.image_url is not None
+                else {"type": "image_url", "image_url": None} if isinstance(p, ImagePart)
+                else {"type": "text", "text": p.text if isinstance(p, TextPart) else p.refusal}
+                for p in c]
 
 
 class FunctionCallItem(api._Strict):
@@ -323,7 +347,7 @@ def messages(items: list[Any]) -> list[dict[str, Any]]:
             out.append({"role": "tool", "tool_call_id": item.call_id, "content": text})
         elif isinstance(item, MessageItem) and item.role != "assistant":
             out.append({"role": "system" if item.role == "developer" else item.role,
-                        "content": item.text})
+                        "content": item.chat_content})
         else:
             call = isinstance(item, FunctionCallItem)
             if not (call and out and out[-1]["role"] == "assistant"):

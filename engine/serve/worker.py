@@ -37,6 +37,7 @@ from fastapi import Request
 
 from engine.config import SamplingParams
 from engine.grammar import Grammars
+from engine.media import MediaConfig
 from engine.request import Limits
 from engine.request import Request as EngineRequest
 from engine.serve.metrics import Metrics
@@ -81,6 +82,10 @@ class ModelInfo:
     max_model_len: int
     vocab_size: int
     grammars: Grammars | None = None
+    # The placeholder id an image's tokens expand from, when the model takes images, and how
+    # its images are preprocessed (`engine.media`).
+    image_pad: int | None = None
+    media: MediaConfig = field(default_factory=MediaConfig)
     _rids: Iterator[int] = field(default_factory=itertools.count, repr=False)
 
     @classmethod
@@ -88,10 +93,16 @@ class ModelInfo:
         """The view of an `engine.llm.LLM` (or anything with its tokenizer, max_model_len and
         scheduler)."""
         s = llm.scheduler
-        return cls(llm.tokenizer, llm.max_model_len, s.vocab_size, s.grammars)
+        models = getattr(llm, "models", None)
+        vision = getattr(models, "vision", None)
+        return cls(llm.tokenizer, llm.max_model_len, s.vocab_size, s.grammars,
+                   vision.cfg.placeholder_id if vision is not None else None,
+                   getattr(llm, "media_config", None) or MediaConfig())
 
-    def make_request(self, prompt_ids: list[int], params: SamplingParams) -> EngineRequest:
-        return EngineRequest(next(self._rids), list(prompt_ids), params)
+    def make_request(self, prompt_ids: list[int], params: SamplingParams,
+                     images: list[tuple[int, Any]] | None = None) -> EngineRequest:
+        return EngineRequest(next(self._rids), list(prompt_ids), params,
+                             images=list(images or ()))
 
 
 @dataclass
@@ -137,14 +148,16 @@ class Handle:
             return merge(items)
 
 
-def wire(req: EngineRequest) -> tuple[int, list[int], SamplingParams]:
-    """What a request is across processes (`unwire` makes it again): its id, prompt and
-    parameters; its random stream is seeded where it runs, as anywhere."""
-    return req.rid, req.prompt_ids, req.params
+def wire(req: EngineRequest) -> tuple[int, list[int], SamplingParams, list[tuple[int, Any]]]:
+    """What a request is across processes (`unwire` makes it again): its id, prompt,
+    parameters and images (their pixels: the engine's process encodes them); its random stream
+    is seeded where it runs, as anywhere."""
+    return req.rid, req.prompt_ids, req.params, req.images
 
 
-def unwire(w: tuple[int, list[int], SamplingParams]) -> EngineRequest:
-    return EngineRequest(*w)
+def unwire(w: tuple[int, list[int], SamplingParams, list[tuple[int, Any]]]) -> EngineRequest:
+    rid, ids, params, images = w
+    return EngineRequest(rid, ids, params, images=images)
 
 
 def merge(items: list[Item]) -> Item:
