@@ -158,6 +158,29 @@ def decode_image(data: bytes, what: str = "image") -> Any:
     return img
 
 
+def fetch_url(url: str, what: str = "image", *, timeout: float = 10.0,
+              max_bytes: int = 16 << 20) -> bytes:
+    """The bytes at an http(s) `url`, at most `max_bytes` of them, the whole exchange within
+    about `timeout` seconds per read; any failure is a `MediaError` naming `what`."""
+    import urllib.error
+    import urllib.request
+
+    if not url.startswith(("http://", "https://")):
+        raise MediaError(f"{what}: only http(s) URLs are fetched")
+    req = urllib.request.Request(url, headers={"User-Agent": "kimi-spec"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:  # noqa: S310 - http(s) only
+            data = r.read(max_bytes + 1)
+    except urllib.error.HTTPError as e:
+        raise MediaError(f"{what}: fetching the image failed: HTTP {e.code}") from e
+    except (urllib.error.URLError, OSError, ValueError) as e:
+        reason = getattr(e, "reason", e)
+        raise MediaError(f"{what}: fetching the image failed ({reason})") from e
+    if len(data) > max_bytes:
+        raise MediaError(f"{what}: the image at the URL is larger than {max_bytes} bytes")
+    return data
+
+
 def decode_data_url(url: str, what: str = "image") -> bytes:
     """The bytes of a `data:image/...;base64,...` URL."""
     head, sep, body = url.partition(",")
@@ -220,7 +243,8 @@ def load_image_source(src: Any, cfg: MediaConfig = MediaConfig(), what: str = "i
         return load_image(decode_data_url(src, what), cfg, what)
     if src.startswith(("http://", "https://")):
         if fetch is None:
-            raise MediaError(f"{what}: fetching images over http(s) is off (only data: URLs)")
+            raise MediaError(f"{what}: fetching images over http(s) is off here (data: URLs "
+                             f"only; a server fetches with --allow-image-urls)")
         return load_image(fetch(src, what), cfg, what)
     path = Path(src.removeprefix("file://"))
     if not local_files:

@@ -155,3 +155,44 @@ def test_data_urls():
         decode_data_url("data:text/plain;base64,aGk=", "img")
     with pytest.raises(MediaError, match="invalid base64"):
         decode_data_url("data:image/png;base64,@@@", "img")
+
+
+@pytest.fixture
+def http_images():
+    """A loopback http server: /a.png an image, /big 4 KiB, anything else 404."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    png = _png(_random_image(30, 20))
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 - http.server's name
+            body = {"/a.png": png, "/big": b"x" * 4096}.get(self.path)
+            self.send_response(200 if body is not None else 404)
+            self.end_headers()
+            self.wfile.write(body or b"")
+
+        def log_message(self, *args) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}", png
+    server.shutdown()
+    thread.join(5)
+
+
+def test_fetching_is_opt_in_and_bounded(http_images):
+    base, png = http_images
+    with pytest.raises(MediaError, match="img: fetching images over http.s. is off"):
+        media.load_image_source(base + "/a.png", what="img")
+    fetch = media.fetch_url
+    got = media.load_image_source(base + "/a.png", what="img", fetch=fetch)
+    assert got.digest == load_image(png).digest
+    with pytest.raises(MediaError, match="img: fetching the image failed: HTTP 404"):
+        fetch(base + "/nothing", "img")
+    with pytest.raises(MediaError, match="img: the image at the URL is larger than 1000 bytes"):
+        fetch(base + "/big", "img", max_bytes=1000)
+    with pytest.raises(MediaError, match="img: only http"):
+        fetch("file:///etc/passwd", "img")

@@ -22,6 +22,7 @@ from engine.media import resize_plan  # noqa: E402
 from engine.serve.app import build_app  # noqa: E402
 from engine.serve.options import ServeConfig  # noqa: E402
 from engine.tokenizer import Tokenizer  # noqa: E402
+from tests.test_media import http_images  # noqa: E402, F401 - a fixture
 from tests.test_serve import serving  # noqa: E402
 from tools.make_tiny import make_tiny  # noqa: E402
 
@@ -137,3 +138,20 @@ def test_anthropic_image_blocks_and_responses_input_images(url):
         {"role": "user", "content": [{"type": "image", "source": {
             "type": "base64", "media_type": "image/png", "data": "aGVsbG8="}}]}]})
     assert bad.status_code == 400 and "not an image" in bad.json()["error"]["message"]
+
+
+def test_allow_image_urls_fetches_http_images(ckpt, url, http_images):  # noqa: F811
+    base, png = http_images
+    msgs = _chat(base + "/a.png")
+    off = post(url, "/tokenize", {"messages": msgs})
+    assert off.status_code == 400 and "--allow-image-urls" in off.json()["error"]["message"]
+    app = build_app(LLM(ckpt, **KW), "tiny", config=ServeConfig(allow_image_urls=True))
+    with serving(app) as on:
+        r = post(on, "/tokenize", {"messages": msgs})
+        assert r.status_code == 200, r.text
+        assert r.json()["tokens"] == post(on, "/tokenize", {"messages": _chat(_url(png))}).json()[
+            "tokens"]
+        missing = post(on, "/tokenize", {"messages": _chat(base + "/nothing")})
+        assert missing.status_code == 400
+        assert "messages[0].content[1]: fetching the image failed: HTTP 404" in missing.json()[
+            "error"]["message"]

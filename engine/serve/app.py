@@ -61,7 +61,14 @@ from engine.grammar import (
     reasoning_prefix,
     tool_call_grammar,
 )
-from engine.media import Image, MediaError, expand_placeholders, load_image_source, message_images
+from engine.media import (
+    Image,
+    MediaError,
+    expand_placeholders,
+    fetch_url,
+    load_image_source,
+    message_images,
+)
 from engine.request import RequestRejected
 from engine.serve import anthropic, responses
 from engine.serve import protocol as api
@@ -264,8 +271,9 @@ class Server:
 
     async def images(self, param: str, messages: list[dict[str, Any]]) -> list[Image]:
         """The images of a conversation's image parts, decoded and preprocessed off the event
-        loop: `data:` URLs only (no fetching); a video part, too many images, or a bad image is
-        a 400 naming the part."""
+        loop: `data:` URLs, and http(s) URLs with `--allow-image-urls` (at most
+        `--max-body-bytes` each); a video part, too many images, or a bad image is a 400 naming
+        the part."""
         try:
             found = message_images(messages, param)
         except MediaError as e:
@@ -279,10 +287,13 @@ class Server:
         if limit is not None and len(found) > limit:
             raise api.bad(param, f"{param} holds {len(found)} images; at most {limit} per prompt "
                                  f"(--limit-mm-per-prompt)")
-        media = self.model.media
+        media, cfg = self.model.media, self.cfg
+        fetch = (functools.partial(fetch_url, timeout=cfg.image_fetch_timeout,
+                                   max_bytes=cfg.max_body_bytes)
+                 if cfg.allow_image_urls else None)
         try:
             return await run_in_threadpool(
-                lambda: [load_image_source(src, media, name) for name, src in found])
+                lambda: [load_image_source(src, media, name, fetch=fetch) for name, src in found])
         except MediaError as e:
             raise api.bad(param, str(e)) from e
 

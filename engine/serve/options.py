@@ -34,6 +34,11 @@ class ServeConfig:
         5.0, description="seconds an idle keep-alive connection stays open (uvicorn's)")
     limit_concurrency: Annotated[int, Field(ge=1)] = Field(
         1024, description="connections (or requests) at once before 503 (uvicorn's)")
+    allow_image_urls: bool = Field(
+        False, description="fetch http(s) image URLs of image parts (default: data: URLs only; "
+                           "the server then reaches any address a client names)")
+    image_fetch_timeout: Annotated[float, Field(gt=0, allow_inf_nan=False)] = Field(
+        10.0, description="seconds a fetched image's connection and each read may take")
     limit_mm_per_prompt: Annotated[int, Field(ge=0)] | None = Field(
         None, description="images one prompt may hold, at most (default: no limit; 0: none)")
     max_body_bytes: Annotated[int, Field(ge=1024)] = Field(
