@@ -416,19 +416,18 @@ class _Open(BaseModel):  # keys beyond the declared ones reach the template as g
     model_config = ConfigDict(extra="allow", strict=True)
 
 
-class TextPart(_Open):
-    type: Literal["text"]
-    text: str
+class Part(_Open):
+    """A content part: text, or an image (`engine.media` reads its source, the template
+    renders its placeholder)."""
 
+    type: Literal["text", "image_url", "image"]
+    text: str | None = None
 
-class ImagePart(_Open):
-    """An image: `engine.media` reads its source, the template renders its placeholder."""
-
-    type: Literal["image_url", "image"]
-
-
-# NOTE: told apart by `type`, so a bad part gets the one error of its kind
-Part = Annotated[TextPart | ImagePart, Field(discriminator="type")]
+    @model_validator(mode="after")
+    def _text_has_text(self) -> Part:
+        if self.type == "text" and self.text is None:
+            raise ValueError("a text part needs its text")
+        return self
 
 
 class CalledFunction(_Open):
