@@ -12,7 +12,43 @@ def _one_thread():
     torch.set_num_threads(n)
 
 
+# The files that take longest, longest first (a cold run on two cores):
+# `--dist loadfile` hands whole files to the workers in collection order (`pytest_configure`
+# turns off xdist's reordering by test count, which put these few-test files last), so a long
+# file starts while the other worker works through the short ones instead of running alone at
+# the end. A new file that takes more than about ten seconds belongs here.
+LONGEST_FIRST = (
+    "test_compile.py",  # three inductor compiles, cold
+    "test_serve.py",  # five server processes
+    "test_parallel.py",  # torchrun launches
+    "test_plan.py",
+    "test_chunked_prefill.py",
+    "test_plan_cost.py",
+    "test_rehearse.py",
+    "test_training.py",
+    "test_bench.py",
+    "test_serve_robust.py",
+    "test_spec.py",
+    "test_moe_kernels.py",
+    "test_gpu_check.py",
+    "test_paged_attention.py",
+    "test_generate.py",
+    "test_structured.py",
+    "test_model.py",
+    "test_golden.py",
+)
+
+
+def pytest_configure(config):
+    # NOTE: what `--no-loadscope-reorder` sets (pytest-xdist 3.6 added both the flag and the
+    # reordering; older versions keep the collection order and have no such option)
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
+
+
 def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: files stay whole
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs CUDA")
