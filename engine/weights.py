@@ -112,8 +112,8 @@ def load_checkpoint(
     `engine.models.layers.checkpoint_tensors`) from the checkpoint in `model_dir` into its
     destination: only this rank's piece is read. INT4 pack-quantized and FP8 block tensors are
     dequantized on the way (whole, then cut). Each tensor's stored shape is checked first;
-    tensors nobody asked for (rotary `inv_freq`, vision tower, projector, MTP layers) are
-    skipped.
+    tensors nobody asked for (rotary `inv_freq`, MTP layers; the vision tower and projector
+    when the text model loads: `engine.models.vision` asks for those) are skipped.
     """
     model_dir = Path(model_dir)
     index = checkpoint_index(model_dir)
