@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine.dist import Group
-from engine.runner import Logprob, PrefillInputs, StepGraphRunner, StepInputs
+from engine.runner import CaptureError, Logprob, PrefillInputs, StepGraphRunner, StepInputs
 
 
 @dataclass
@@ -74,7 +74,12 @@ def follow(tp: Group, runner: StepGraphRunner) -> End | Stop:
         if isinstance(cmd, Prefill):
             runner.prefill(cmd.inputs)
         elif isinstance(cmd, Step):
-            runner.step(cmd.inputs, cmd.pad)
+            try:
+                runner.step(cmd.inputs, cmd.pad)
+            except CaptureError:
+                # NOTE: every rank fails a variant's capture together (`StepGraphRunner.
+                # _capture_late`); the leader fails the step's rows and asks again
+                pass
         elif isinstance(cmd, PromptLogprobs):
             runner.prompt_logprobs(cmd.tokens, cmd.pages, cmd.top)
         elif isinstance(cmd, End | Stop):

@@ -13,6 +13,7 @@ step, and reads back the small decision tensors.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import time
 from collections import defaultdict
@@ -245,6 +246,8 @@ class StepGraphRunner:
         # (batch size, shape) -> {"seconds": capture wall time, "bytes": pool growth}
         self.capture_stats: dict[tuple[int, StepShape], dict[str, float]] = {}
         self.mem_pool: Any = None  # the graphs' memory pool (`capture`)
+        # (batch size, shape) -> why capturing it while serving failed (`_capture_late`)
+        self.capture_failures: dict[tuple[int, StepShape], str] = {}
         # The log-probabilities of the last call's rows (`step`) or inputs (`prefill`): for
         # each one whose params ask, a `Logprob` per token it emitted; None for the others.
         self.last_logprobs: list[list[Logprob] | None] = []
@@ -328,9 +331,71 @@ class StepGraphRunner:
         torch.cuda.current_stream().wait_stream(stream)
         torch.cuda.synchronize()
         g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g, pool=mem_pool):
-            spec_step(self.models, self.pool, buf, shape, moe=moe)
+        before = torch.cuda.current_stream()
+        try:
+            with torch.cuda.graph(g, pool=mem_pool):
+                spec_step(self.models, self.pool, buf, shape, moe=moe)
+        except BaseException:
+            # NOTE: a failure inside the capture may leave its stream capturing, or current
+            # (torch's exit ends the capture before it restores the stream, and an invalidated
+            # capture's end raises): end it, restore the stream, let the device finish.
+            if torch.cuda.is_current_stream_capturing():
+                with contextlib.suppress(Exception):
+                    g.capture_end()
+            torch.cuda.set_stream(before)
+            with contextlib.suppress(Exception):
+                torch.cuda.synchronize()
+            raise
         return g
+
+    def _capture_late(self, bs: int, shape: StepShape) -> Any:
+        """The graph of a variant a batch needs first mid-serving (one that adjusts logits or
+        reports log-probabilities), captured over the loaded inputs into the graphs' pool.
+
+        NOTE: captured when first needed, not at start: each doubles the graphs of every size
+        (four times as many to capture, minutes of start-up), while their activations stay
+        within the pool's largest (`graphs.plan --rehearse` measures them). A failure raises a
+        `CaptureError` naming the variant, so the scheduler fails that step's rows and goes on;
+        no stream is left capturing (`_capture_one`), and the failure is kept: a later step of
+        the variant fails at once. Under tensor parallelism the ranks agree first
+        (`_peers_failed`): all fail together, and none replays a graph whose collectives its
+        peers never join."""
+        key = (bs, shape)
+        failed = self.capture_failures.get(key)
+        if failed is None:
+            graph, why = None, None
+            t0, m0 = time.perf_counter(), self._reserved()
+            try:
+                self.mem_pool = self.mem_pool or self._new_pool()
+                graph = self._capture_one(bs, shape, self.mem_pool, pad=False)
+            except Exception as e:  # noqa: BLE001 - agreed on below, then raised on every rank
+                why = f"{type(e).__name__}: {e}"
+            failed = self._peers_failed(why)
+            if failed is None:
+                self.capture_stats[key] = {"seconds": time.perf_counter() - t0,
+                                           "bytes": self._reserved() - m0}
+                self.graphs[key] = graph
+                return graph
+            self.capture_failures[key] = failed
+        raise CaptureError(
+            f"capturing the {shape.mode} step at batch size {bs} that "
+            f"{'adjusts logits' if shape.adjust else 'adjusts nothing'} and "
+            f"{'reports' if shape.logprobs else 'reports no'} log-probabilities failed while "
+            f"serving: {failed}. This step's requests fail; the engine goes on. Graph size is "
+            f"set by {self._knobs(bs)}.")
+
+    def _peers_failed(self, why: str | None) -> str | None:
+        """Why some rank failed to capture (this one's `why`, else how many peers failed), or
+        None when every rank of the tensor-parallel group captured: a sum of failures over
+        the ranks, outside any capture."""
+        tp = self.models.tp
+        if tp is None or tp.world == 1:
+            return why
+        flag = torch.tensor([int(why is not None)], dtype=torch.int32, device=self.device)
+        n = int(tp.all_reduce(flag)[0])
+        if not n:
+            return None
+        return why or f"{n} of {tp.world} tensor-parallel ranks failed to capture it"
 
     def _reserved(self) -> int:
         return torch.cuda.memory_reserved(self.device) if self.device.type == "cuda" else 0
@@ -602,14 +667,7 @@ class StepGraphRunner:
                                            shape.num_nodes)
         if self.use_graphs:
             with self.timer("step"):
-                graph = self.graphs.get((bs, shape))
-                if graph is None:
-                    # NOTE: the variants that adjust logits or report log-probabilities are
-                    # captured when a batch first needs one, over its loaded inputs, into the
-                    # graphs' pool: capturing each at start would multiply the graphs by four.
-                    self.mem_pool = self.mem_pool or self._new_pool()
-                    graph = self.graphs[(bs, shape)] = self._capture_one(
-                        bs, shape, self.mem_pool, pad=False)
+                graph = self.graphs.get((bs, shape)) or self._capture_late(bs, shape)
                 graph.replay()
         elif self.compiled is not None:
             with self.timer("step"):
