@@ -60,7 +60,7 @@ from typing import Any
 import torch
 from torch import Tensor
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils.flop_counter import FlopCounterMode
+from torch.utils.flop_counter import FlopCounterMode, flop_registry
 
 import engine.spec as spec
 from engine.attention import PagedBackend
@@ -87,38 +87,76 @@ from graphs.rehearse import (
     DEVICE,
     DeviceMode,
     Tally,
+    cuda_backend,
     engine_shapes,
-    is_launch,
+    late_kinds,
+    launches,
     rehearse_prefill,
     rehearse_step,
     step_kinds,
 )
-from ops.moe import moe_bytes, moe_flops
-from ops.paged_grid import programs_with_work
+from ops.moe import expert_block, moe_bytes, moe_flops
+from ops.paged_grid import launch_shape, programs_with_work
 from ops.quant import fp8_linear_bytes
 
 
 @dataclass(frozen=True)
 class GPU:
-    """Dense tensor-core peak (bf16 FLOP/s), HBM bandwidth, per-direction link bandwidth for the
-    all-reduces, a fixed latency per all-reduce, and memory: vendors' data sheets."""
+    """Dense peaks of each unit an op's dtype runs on (FLOP/s: FP32 CUDA cores, TF32, bf16 and
+    FP8 tensor cores), HBM bandwidth, L2-to-SM read bandwidth (what a kernel's tiles re-reading
+    one operand pay), per-direction link bandwidth for the all-reduces, a fixed latency per
+    all-reduce, and memory: vendors' data sheets (L2: published microbenchmarks, about)."""
 
-    flops: float
+    flops: float  # bf16 / fp16 tensor cores
     hbm: float
     link: float
     latency: float
     memory: float
+    fp32: float
+    tf32: float
+    fp8: float
+    l2: float
+
+    def peak(self, unit: str) -> float:
+        """FLOP/s of `unit` ("fp32", "tf32", "bf16", "fp8"; `op_unit`)."""
+        return {"fp32": self.fp32, "tf32": self.tf32, "bf16": self.flops,
+                "fp8": self.fp8}.get(unit, self.fp32)
 
 
 GPUS = {
-    # HGX H200: 989 TFLOPS bf16 dense, 4.8 TB/s HBM3e, NVLink 4 900 GB/s (450 each way), 141 GB
-    "H200": GPU(989e12, 4.8e12, 450e9, 15e-6, 141e9),
-    # HGX B300: 2.25 PFLOPS bf16 dense, 8 TB/s HBM3e, NVLink 5 1.8 TB/s (900 each way), 288 GB
-    "B300": GPU(2.25e15, 8.0e12, 900e9, 15e-6, 288e9),
-    # RTX PRO 6000 Blackwell Server: about 500 TFLOPS bf16 dense, 1.6 TB/s GDDR7, PCIe 5 x16
-    # (64 GB/s each way, no NVLink), 96 GB
-    "RTX-PRO-6000": GPU(500e12, 1.6e12, 64e9, 30e-6, 96e9),
+    # HGX H200: 989 TFLOPS bf16 dense (TF32 495, FP8 1,979, FP32 67), 4.8 TB/s HBM3e, NVLink 4
+    # 900 GB/s (450 each way), 141 GB; L2 about 10 TB/s
+    "H200": GPU(989e12, 4.8e12, 450e9, 15e-6, 141e9, 67e12, 495e12, 1979e12, 10e12),
+    # HGX H100 SXM: the H200's compute and links, 3.35 TB/s HBM3, 80 GB
+    "H100": GPU(989e12, 3.35e12, 450e9, 15e-6, 80e9, 67e12, 495e12, 1979e12, 10e12),
+    # HGX B300: 2.25 PFLOPS bf16 dense (TF32 1.1 P, FP8 4.5 P, FP32 about 75 T), 8 TB/s HBM3e,
+    # NVLink 5 1.8 TB/s (900 each way), 288 GB; L2 about 20 TB/s
+    "B300": GPU(2.25e15, 8.0e12, 900e9, 15e-6, 288e9, 75e12, 1.1e15, 4.5e15, 20e12),
+    # RTX PRO 6000 Blackwell Server: about 500 TFLOPS bf16 dense (TF32 about 125 T, FP8 about
+    # 1 P, FP32 about 120 T), 1.6 TB/s GDDR7, PCIe 5 x16 (64 GB/s each way, no NVLink), 96 GB;
+    # L2 about 6 TB/s
+    "RTX-PRO-6000": GPU(500e12, 1.6e12, 64e9, 30e-6, 96e9, 120e12, 125e12, 1e15, 6e12),
 }
+# Ops that run as a matrix multiply (TF32 tensor cores take their fp32 operands when torch
+# allows it: `torch.get_float32_matmul_precision()` other than "highest").
+MATMULS = frozenset({"mm", "bmm", "addmm", "baddbmm", "addbmm", "matmul", "linear",
+                     "convolution", "_scaled_mm", "_scaled_dot_product_efficient_attention",
+                     "_scaled_dot_product_flash_attention", "_scaled_dot_product_cudnn_attention",
+                     "_flash_attention_forward", "_efficient_attention_forward"})
+
+
+def op_unit(dtype: torch.dtype, matmul: bool) -> str:
+    """The unit an op over `dtype` runs on: "fp8", "bf16" (16-bit floats), "tf32" (an fp32
+    matmul torch lets use TF32), "fp32" (CUDA cores), or the dtype's name (no FLOPs)."""
+    if dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        return "fp8"
+    if dtype in (torch.bfloat16, torch.float16):
+        return "bf16"
+    if dtype == torch.float32:
+        return "tf32" if matmul and torch.get_float32_matmul_precision() != "highest" else "fp32"
+    return str(dtype).removeprefix("torch.")
+
+
 _ENGINE = EngineConfig.__pydantic_fields__  # the engine's defaults, which the plan follows
 
 
@@ -189,31 +227,64 @@ class CostMode(TorchDispatchMode):
     """Bytes each op reads and writes, and the FLOPs and padding `FlopCounterMode` cannot see:
     views move nothing, gathers read only what they pick, scatters write only what they put;
     the kimi:: ops by their formulas, attention over `context` tokens a row. Also the kernel
-    launches (`graphs.rehearse.is_launch`) and, per paged attention kernel, the programs of
-    one launch that have work at `context` tokens a row (`ops.paged_grid.programs_with_work`:
-    the Triton kernels split each row's live keys)."""
+    launches (`graphs.rehearse.launches`: a kimi:: op's kernels, counted from its
+    implementation) and, per paged attention kernel, the programs of one launch that have work
+    at `context` tokens a row (`ops.paged_grid.programs_with_work`: the Triton kernels split
+    each row's live keys). Per op (its name and the unit its dtype runs on, `op_unit`): FLOPs,
+    HBM bytes and the bytes its tiles read again from L2 (`rereads`: the paged kernels' row
+    tiles each stream the row's keys, from their launch geometry), in `ops`."""
 
-    def __init__(self, context: int):
+    def __init__(self, context: int, counter: FlopCounterMode | None = None):
         super().__init__()
         self.context = context
+        # NOTE: entered before this mode, `counter` sees each op after it, decomposed where
+        # its registry has no formula (`linear` into a matmul): an op's FLOPs are what it
+        # counted meanwhile; without one, the registry's formula of the op itself
+        self.counter = counter
         self.bytes = 0
         self.attention_flops = 0
         self.padding_flops = 0
         self.launches = 0
         self.programs: dict[str, int] = {"mla_prefix": 0, "draft_context": 0}
+        self.ops: dict[tuple[str, str], list[int]] = defaultdict(lambda: [0, 0, 0, 0])
+        self._flops = 0  # FLOPs of the op being costed beyond its FLOP formula's
+        self._rereads = 0
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None
                            ) -> Any:
-        out = func(*args, **(kwargs or {}))
+        kwargs = kwargs or {}
+        counted = self._counted()
+        out = func(*args, **kwargs)
         name = func._overloadpacket.__name__
         ns = func.namespace
-        self.bytes += self._cost(ns, name, func, args, out)
-        self.launches += is_launch(func)
+        self._flops = self._rereads = 0
+        nbytes = self._cost(ns, name, func, args, out)
+        self.bytes += nbytes
+        n = launches(func, args, kwargs)
+        self.launches += n
+        if func.is_view:
+            return out
+        if self.counter is not None:
+            flops = self._counted() - counted
+        else:
+            formula = flop_registry.get(func._overloadpacket)
+            flops = formula(*args, **kwargs, out_val=out) if formula is not None else 0
+        flops += self._flops
+        first = next((t for t in (*args, out) if isinstance(t, Tensor)), None)
+        unit = op_unit(first.dtype, name in MATMULS) if first is not None else "none"
+        rec = self.ops[(name if ns == "aten" else f"{ns}.{name}", unit)]
+        rec[0] += flops
+        rec[1] += nbytes
+        rec[2] += self._rereads
+        rec[3] += n
         return out
+
+    def _counted(self) -> int:
+        return sum(self.counter.flop_counts["Global"].values()) if self.counter else 0
 
     def _cost(self, ns: str, name: str, func: Any, args: Any, out: Any) -> int:
         if ns == "kimi":
-            return self._kimi(name, args, out)
+            return self._kimi(name, args, out, func)
         if func.is_view:
             return 0
         if name in ("embedding", "index_select", "gather", "index", "take_along_dim"):
@@ -223,17 +294,21 @@ class CostMode(TorchDispatchMode):
             return 2 * _bytes(args[-1]) + _bytes(args[1:-1])
         return sum(_bytes(a) for a in args) + _bytes(out)
 
-    def _kimi(self, name: str, args: Any, out: Any) -> int:
+    def _kimi(self, name: str, args: Any, out: Any, func: Any) -> int:
         if name in ("moe_experts", "moe_experts_w4a16", "moe_experts_fp8"):
             x, idx = args[0], args[1]
             T, H, k = x.shape[0], x.shape[1], idx.shape[1]
             E, i2 = args[3].shape[:2]
-            useful, executed = moe_flops(T, k, E, H, i2 // 2, 16)
+            # the alignment block the kernels take: the op's, else theirs for T tokens
+            at = [a.name for a in func._schema.arguments].index("block")
+            block = expert_block(T, args[at] if len(args) > at else 0)
+            useful, executed = moe_flops(T, k, E, H, i2 // 2, block)
             self.padding_flops += executed - useful
+            self._flops = executed - useful  # the op runs its blocks' padding too
             kind = "int4" if name.endswith("w4a16") else {1: "fp8", 2: "bf16", 4: "fp32"}[
                 args[3].element_size()]
-            return moe_bytes(T, k, E, H, i2 // 2, weights=kind,
-                             act_bytes=x.element_size())["total"]
+            return moe_bytes(T, k, E, H, i2 // 2, weights=kind, act_bytes=x.element_size(),
+                             block=block)["total"]
         if name == "fp8_linear":
             x, w = args[0], args[1]
             return fp8_linear_bytes(math.prod(x.shape[:-1]), w.shape[0], w.shape[1],
@@ -244,18 +319,36 @@ class CostMode(TorchDispatchMode):
             self.programs["mla_prefix"] = programs_with_work(
                 bs, Q, heads, [self.context] * bs, table.shape[1], page_size, kv.dtype,
                 kv_heads=1, dv=R)
-            self.attention_flops += 2 * bs * Q * heads * self.context * (R + q_pe.shape[-1] + R)
-            return _bytes((q_lat, q_pe, out)) + bs * self.context * kv.shape[-1] * \
-                kv.element_size()
+            self._flops = 2 * bs * Q * heads * self.context * (R + q_pe.shape[-1] + R)
+            self.attention_flops += self._flops
+            keys = bs * self.context * kv.shape[-1] * kv.element_size()
+            self._rereads = (self._row_tiles(bs, Q, heads, table.shape[1] * page_size, kv.dtype,
+                                             1, R) - 1) * keys
+            return _bytes((q_lat, q_pe, out)) + keys
         if name == "draft_context_attention":
             q, cache, table, page_size = args[0], args[1], args[2], args[4]
             bs, M, nh, hd = q.shape
             self.programs["draft_context"] = programs_with_work(
                 bs, M, nh, [self.context] * bs, table.shape[1], page_size, cache.dtype,
                 kv_heads=cache.shape[-1] // (2 * hd), dv=hd)
-            self.attention_flops += 4 * bs * M * nh * self.context * hd
-            return _bytes((q, out)) + bs * self.context * cache.shape[-1] * cache.element_size()
-        raise NotImplementedError(f"no cost formula for kimi::{name}")
+            self._flops = 4 * bs * M * nh * self.context * hd
+            self.attention_flops += self._flops
+            kv_heads = cache.shape[-1] // (2 * hd)
+            keys = bs * self.context * cache.shape[-1] * cache.element_size()
+            self._rereads = (self._row_tiles(bs, M, nh, table.shape[1] * page_size, cache.dtype,
+                                             kv_heads, hd) - 1) * keys
+            return _bytes((q, out)) + keys
+        # NOTE: any other kimi:: op reads its inputs and writes its outputs once (its FLOPs
+        # are its registered formula's)
+        return _bytes(args) + _bytes(out)
+
+    @staticmethod
+    def _row_tiles(bs: int, rows: int, heads: int, capacity: int, dtype: torch.dtype,
+                   kv_heads: int, dv: int) -> int:
+        """Row tiles per KV head of a paged kernel's launch (`ops.paged_grid.launch_shape`):
+        each streams its rows' keys whole."""
+        return launch_shape(bs, rows, heads, capacity, dtype, kv_heads=kv_heads, dv=dv,
+                            num_splits=None, block_n=None).row_tiles
 
 
 class PeakMode(TorchDispatchMode):
@@ -313,8 +406,8 @@ def run_step(models: Models, shape: StepShape, bs: int, max_pages: int, page_siz
     pool, buf = step_inputs(models, shape, bs, max_pages, page_size, dtype)
     if models.tp is not None:
         models.tp.comm.reset()
-    cost, peak = CostMode(context), PeakMode()
     flops = FlopCounterMode(display=False)
+    cost, peak = CostMode(context, flops), PeakMode()
     with no_drafter(models, models.target.cfg.vocab_size), flops, cost, peak:
         spec_step(models, pool, buf, shape)
     return {**_counts(models, flops, cost), "peak_activation_bytes": peak.peak,
@@ -327,8 +420,10 @@ def _counts(models: Models, flops: FlopCounterMode, cost: CostMode) -> dict[str,
     `comm.reset()`."""
     useful = flops.get_total_flops() + cost.attention_flops
     comm = models.tp.comm if models.tp is not None else None
+    ops = [{"name": name, "dtype": unit, "flops": f, "bytes": b, "l2_bytes": r, "launches": n}
+           for (name, unit), (f, b, r, n) in cost.ops.items()]
     return {"flops": useful, "executed_flops": useful + cost.padding_flops, "bytes": cost.bytes,
-            "launches": cost.launches,
+            "launches": cost.launches, "ops": ops,
             "allreduce_bytes": comm.bytes.get("all_reduce", 0) if comm else 0,
             "allreduce_calls": comm.calls.get("all_reduce", 0) if comm else 0,
             "collective_bytes": sum(comm.bytes.values()) if comm else 0,
@@ -339,6 +434,15 @@ def cuda_prefill_chunk(a: argparse.Namespace) -> int:
     """The most prompt tokens one engine step prefills on CUDA: `--prefill-chunk`, else CUDA's
     default."""
     return a.prefill_chunk or default_prefill_chunk("cuda")
+
+
+def prefill_chunk(models: Models, pool: KVPool, pages: list[int], start: int, n: int) -> Any:
+    """The engine's forward of `n` prompt tokens at position `start` of one prompt whose pages
+    are `pages`, with the grouped expert pass: the first chunk's (`engine.spec.prefill`), or a
+    later chunk's over the cached context (`engine.spec.prefill_chunk`)."""
+    if start == 0:
+        return spec.prefill(models, pool, [[0] * n], [pages], expert_pass=spec.aligned_pass)
+    return spec.prefill_chunk(models, pool, [0] * n, start, pages, spec.aligned_pass)
 
 
 def prefill_costs(a: argparse.Namespace, models: Models, dtype: torch.dtype, gpus: list[str]
@@ -357,12 +461,10 @@ def prefill_costs(a: argparse.Namespace, models: Models, dtype: torch.dtype, gpu
     def chunk(start: int, n: int = c) -> dict[str, Any]:
         if models.tp is not None:
             models.tp.comm.reset()
-        cost, flops = CostMode(start), FlopCounterMode(display=False)
+        flops = FlopCounterMode(display=False)
+        cost = CostMode(start, flops)
         with flops, cost:
-            if start == 0:
-                spec.prefill(models, pool, [[0] * n], [pages], expert_pass=spec.aligned_pass)
-            else:
-                spec.prefill_chunk(models, pool, [0] * n, start, pages, spec.aligned_pass)
+            prefill_chunk(models, pool, pages, start, n)
         return _counts(models, flops, cost)
 
     firsts = {n: chunk(0, n) for n in sorted({min(n, c) for n in a.prompt_lens})}
@@ -375,11 +477,14 @@ def prefill_costs(a: argparse.Namespace, models: Models, dtype: torch.dtype, gpu
         steps = k * (k - 1) // 2 - (k - 1)
         r: dict[str, Any] = {"prompt_len": n, "chunk": c, "chunks": k}
         for key, v in first.items():
+            if key == "ops":
+                continue
             if k == 1:
                 r[key] = v
                 continue
             r[key] = v + (k - 1) * one[key] + steps * (two[key] - one[key])
-        r["seconds"] = {g: roofline(r, GPUS[g], a.tp) for g in gpus}
+        ops = [first["ops"], *(later_chunk_ops(one["ops"], two["ops"], i) for i in range(1, k))]
+        _priced(a, models, r, ops, [(i * c, min(c, n - i * c)) for i in range(k)], gpus)
         rows.append(r)
     if a.cached_turn:
         rows += cached_turn_costs(a, models, dtype, gpus, rows, chunk)
@@ -403,11 +508,77 @@ def cached_turn_costs(a: argparse.Namespace, models: Models, dtype: torch.dtype,
         out += cold
     warm: dict[str, Any] = {"prompt_len": total, "cached": cached, "chunk": c,
                             "chunks": -(-new // c)}
-    for start in range(cached, total, c):
-        for key, v in chunk(start, min(c, total - start)).items():
-            warm[key] = warm.get(key, 0) + v
-    warm["seconds"] = {g: roofline(warm, GPUS[g], a.tp) for g in gpus}
+    ops, spans = [], [(start, min(c, total - start)) for start in range(cached, total, c)]
+    for start, n in spans:
+        for key, v in chunk(start, n).items():
+            if key == "ops":
+                ops.append(v)
+            else:
+                warm[key] = warm.get(key, 0) + v
+    _priced(a, models, warm, ops, spans, gpus)
     return out + [warm]
+
+
+def _priced(a: argparse.Namespace, models: Models, row: dict[str, Any],
+            chunks: list[list[dict[str, Any]]], spans: list[tuple[int, int]], gpus: list[str]
+            ) -> None:
+    """`row`'s `ops` (`chunked_ops` of its chunks' ops), its `seconds` on each of `gpus` (its
+    ops one after another plus its collectives) and its `roofline_seconds` (`prefill_roofline`
+    of its chunks, each `(start, tokens)` in `spans`)."""
+    row["ops"] = chunked_ops(chunks, gpus)
+    row["seconds"] = {g: sum(op["seconds"][g] for op in row["ops"])
+                      + comm_seconds(row, GPUS[g], a.tp) for g in gpus}
+    row["roofline_seconds"] = {g: prefill_roofline(models, spans, GPUS[g], a.tp) for g in gpus}
+
+
+def linear_flops_per_token(models: Models) -> int:
+    """This rank's matmul FLOPs per prefilled token as the engine shards the weights (what a
+    rank holds whole, `q_a`, `kv_a`, the router and the drafter's fc among them, counted whole):
+    every 2-D weight of the target twice, the routed experts' at `top-k / E` of the bank,
+    the drafter's fc and its layers' key and value projections (the context it caches); not
+    the embeddings or the LM head (one row a prompt), nor `kv_b_proj` (`prefill_roofline`
+    up-projects the keys with it)."""
+    from engine.models.layers import ExpertBank
+
+    t, c = models.target, models.target.cfg
+    flops = 2 * sum(p.numel() for n, p in t.named_parameters()
+                    if p.dim() == 2 and not any(x in n for x in (
+                        "embed_tokens", "lm_head", "kv_b_proj", ".experts.")))
+    for m in t.modules():
+        if isinstance(m, ExpertBank):
+            flops += 2 * 3 * m.hidden * m.inter * c.num_experts_per_tok
+    if models.drafter is not None:
+        flops += 2 * sum(p.numel() for n, p in models.drafter.named_parameters()
+                         if p.dim() == 2 and (n.startswith("fc.") or "k_proj" in n
+                                              or "v_proj" in n))
+    return flops
+
+
+def prefill_roofline(models: Models, spans: list[tuple[int, int]], gpu: GPU, tp: int) -> float:
+    """The least one rank can take to prefill chunks of a prompt (each `(start, n)` in `spans`:
+    `n` tokens at position `start`) at the engine's sharding, one after another. A chunk: its
+    `linear_flops_per_token` a token and the causal attention in the MHA form (qk over
+    `qk_nope + qk_rope`, pv over `v_head_dim`, this rank's heads) with the whole context
+    up-projected through `kv_b_proj`, all at bf16 peak; or the weights read once and the
+    cached context's latent rows, at HBM; plus two ring all-reduces of its hidden states a
+    layer over the link."""
+    t, c = models.target, models.target.cfg
+    heads, layers = t.model.layers[0].self_attn.num_heads, c.num_hidden_layers
+    per_pair = 2 * (c.qk_nope_head_dim + c.qk_rope_head_dim) + 2 * c.v_head_dim
+    per_token = linear_flops_per_token(models)
+    w = weight_bytes(models)
+    embed = t.model.embed_tokens.weight
+    weights = w.get("target", 0) + w.get("drafter", 0) - embed.numel() * embed.element_size()
+    kv_token = models.kv_bytes_per_token(embed.dtype)
+    ring = 2 * (tp - 1) / tp if tp > 1 else 0.0
+    total = 0.0
+    for start, n in spans:
+        pairs = n * start + n * (n + 1) // 2
+        up = 2 * (start + n) * c.kv_lora_rank * heads * (c.qk_nope_head_dim + c.v_head_dim)
+        flops = n * per_token + layers * (heads * per_pair * pairs + up)
+        comm = 2 * layers * n * c.hidden_size * embed.element_size() * ring / gpu.link
+        total += max(flops / gpu.flops, (weights + start * kv_token) / gpu.hbm) + comm
+    return total
 
 
 def shape_cost(a: argparse.Namespace, models: Models, shape: StepShape, bs: int,
@@ -418,11 +589,58 @@ def shape_cost(a: argparse.Namespace, models: Models, shape: StepShape, bs: int,
     return run_step(models, shape, bs, max_pages, a.page_size, dtype, a.context)
 
 
-def roofline(row: dict[str, Any], gpu: GPU, tp: int) -> float:
-    """Seconds: the slower of compute and memory, plus the collectives over the link."""
+def op_seconds(op: dict[str, Any], gpu: GPU) -> float:
+    """One op's seconds (or one kind of op's, in one forward): the slowest of its FLOPs at the
+    peak of the unit its dtype runs on, its HBM bytes, and what its tiles re-read from L2."""
+    return max(op["flops"] / gpu.peak(op["dtype"]), op["bytes"] / gpu.hbm,
+               op.get("l2_bytes", 0) / gpu.l2)
+
+
+def comm_seconds(row: dict[str, Any], gpu: GPU, tp: int) -> float:
+    """The collectives over the link: ring all-reduces (`2 (W-1)/W` of the bytes), plus a
+    fixed latency each."""
     ring = 2 * (tp - 1) / tp if tp > 1 else 0.0
-    comm = row["collective_bytes"] * ring / gpu.link + row["collective_calls"] * gpu.latency
-    return max(row["flops"] / gpu.flops, row["bytes"] / gpu.hbm) + comm
+    return row["collective_bytes"] * ring / gpu.link + row["collective_calls"] * gpu.latency
+
+
+def roofline(row: dict[str, Any], gpu: GPU, tp: int) -> float:
+    """Seconds of one forward: each op at the slower of its compute (at its unit's peak) and
+    its memory, one after another, plus the collectives over the link; without per-op counts,
+    the slower of the totals' compute (at bf16 peak) and memory."""
+    if "ops" in row:
+        return sum(op_seconds(op, gpu) for op in row["ops"]) + comm_seconds(row, gpu, tp)
+    return max(row["flops"] / gpu.flops, row["bytes"] / gpu.hbm) + comm_seconds(row, gpu, tp)
+
+
+def chunked_ops(chunks: list[list[dict[str, Any]]], gpus: list[str]) -> list[dict[str, Any]]:
+    """The ops of forwards run one after another (a prompt's chunks): per op (name and unit),
+    its totals and its `seconds` on each of `gpus`, summed over the forwards it ran in, slowest
+    first."""
+    out: dict[tuple[str, str], dict[str, Any]] = {}
+    for ops in chunks:
+        for op in ops:
+            o = out.setdefault((op["name"], op["dtype"]), {
+                "name": op["name"], "dtype": op["dtype"], "flops": 0, "bytes": 0,
+                "l2_bytes": 0, "launches": 0, "seconds": dict.fromkeys(gpus, 0.0)})
+            for key in ("flops", "bytes", "l2_bytes", "launches"):
+                o[key] += op[key]
+            for g in gpus:
+                o["seconds"][g] += op_seconds(op, GPUS[g])
+    first = gpus[0] if gpus else None
+    return sorted(out.values(), key=lambda o: -o["seconds"][first] if first else 0)
+
+
+def later_chunk_ops(one: list[dict[str, Any]], two: list[dict[str, Any]], i: int
+                    ) -> list[dict[str, Any]]:
+    """A later chunk's ops at `i` chunks of context, from those at one and two chunks (each
+    op's counts linear in the context, as the chunk's attention is)."""
+    at_two = {(op["name"], op["dtype"]): op for op in two}
+    out = []
+    for op in one:
+        t = at_two.get((op["name"], op["dtype"]), op)
+        out.append({**op, **{k: op[k] + (i - 1) * (t[k] - op[k])
+                             for k in ("flops", "bytes", "l2_bytes", "launches")}})
+    return out
 
 
 # ---- the command -------------------------------------------------------------------------------
@@ -647,10 +865,18 @@ def rehearsal(a: argparse.Namespace, models: Models, group: CountingGroup | None
     runner = engine_runner(models, z, z.pool.num_pages, dtype)
     mode = DeviceMode(group)
     sizes = sorted({runner.padded_size(b) for b in a.batch_sizes} | {max(runner.capture_sizes)})
-    steps = [(bs, name, s) for bs in sizes for name, s in step_kinds(runner, bs)]
-    phases = [_phase(f"step {name}", "step", bs, None, None, rehearse_step(mode, runner, bs, s))
-              for bs, name, s in tqdm(steps, desc="rehearsing steps")]
+    backend = cuda_backend(models, runner.pool, [
+        (bs, s.num_nodes) for bs in runner.capture_sizes for s in runner.shapes_of(bs)],
+        runner.max_pages)
+    steps = [(bs, name, s, False) for bs in sizes for name, s in step_kinds(runner, bs)]
+    steps += [(bs, name, s, True) for bs in sizes for name, s in late_kinds(runner, bs)]
+    phases = [{**_phase(f"step {name}", "step", bs, None, None,
+                        rehearse_step(mode, runner, bs, s)), "late": late}
+              for bs, name, s, late in tqdm(steps, desc="rehearsing steps")]
+    # NOTE: one pool holds every graph, those captured while serving too (largest first at
+    # start; a late one reuses the blocks the others leave free while it is captured)
     graphs = max(p["activation_bytes"] for p in phases)
+    at_start = max(p["activation_bytes"] for p in phases if not p["late"])
     notes: list[str] = []
     rejected: list[str] = []  # prompts the scheduler refuses (the pool is too small for them)
     for want in a.prompt_lens:
@@ -668,13 +894,27 @@ def rehearsal(a: argparse.Namespace, models: Models, group: CountingGroup | None
         phases.append(_phase(f"prefill {n}", "prefill", 1, n, chunks, tally))
     static = {"cuda_context": a.reserve, "weights": z.per_rank, "kv_pool": z.pool.pool_bytes,
               "step_buffers": buffer_bytes(runner), "graphs_pool": graphs}
+    leaves_out = [
+        "the allocator's rounding and fragmentation, cuBLAS's and NCCL's workspaces (the "
+        "engine's fixed overhead, engine.memory.CUDA_OVERHEAD_BYTES, is for them)",
+        "Triton's and the CUDA graphs' own host and device bookkeeping",
+        "what a kernel allocates beside its outputs, except the experts' pair rows and the "
+        "paged attention kernels' partials (graphs.rehearse.kernel_workspace)"]
+    if backend == "flashinfer":
+        from ops.attention_gpu import mla_workspace_bytes
+
+        static["attention_workspace"] = mla_workspace_bytes(models.target.cfg.kv_lora_rank, 132)
+        leaves_out.insert(0, "flashinfer's kernels: the engine would take flashinfer here; "
+                             "its MLA prefix pass is rehearsed as the Triton kernel over the "
+                             "same shapes, with its workspace (at an H200's 132 SMs) added")
     for p in phases:
         p["peak_bytes"] = sum(static.values()) + (p["activation_bytes"] if p["kind"] ==
                                                   "prefill" else 0)
     out.update(fits=not rejected and all(p["peak_bytes"] <= gpu_memory for p in phases),
                static_bytes=static, kv_contexts=z.pool.contexts,
                budget_policy=z.budgets is not None, phases=phases, notes=notes,
-               rejected=rejected)
+               rejected=rejected, attention=backend, graphs_pool_at_start=at_start,
+               leaves_out=leaves_out)
     return out
 
 
@@ -700,6 +940,7 @@ def costs(a: argparse.Namespace, models: Models, dtype: torch.dtype, gpus: list[
             r = {"mode": mode, "batch_size": bs, "budget": budget,
                  **shape_cost(a, models, shape, bs, dtype)}
             r["seconds"] = {g: roofline(r, GPUS[g], a.tp) for g in gpus}
+            r["ops"] = chunked_ops([r["ops"]], gpus)
             if mode == "ar":
                 ar_time[bs] = r["seconds"]
             else:
@@ -860,12 +1101,14 @@ def rehearsal_table(r: dict[str, Any]) -> str:
         f"({_gb(st['kv_pool'])}), {r['kv_contexts']} full {r['max_model_len']:,}-token "
         f"contexts",
         f"  step buffers       {_gb(st['step_buffers'])}; graphs' pool {_gb(st['graphs_pool'])} "
-        f"(the largest step's activations)",
-        f"{'phase':<36} {'bs':>3} {'prompt':>7} {'chunks':>6} {'act MB':>9} {'peak GB':>8} "
+        f"(the largest step's activations; {_gb(r['graphs_pool_at_start'])} for the steps "
+        f"captured at start, the rest for those captured while serving: late)",
+        f"  attention          {r['attention']} (what --attention auto takes on a CUDA GPU)",
+        f"{'phase':<46} {'bs':>3} {'prompt':>7} {'chunks':>6} {'act MB':>9} {'peak GB':>8} "
         f"{'free GB':>8} {'syncs':>5} {'launches':>9}"]
     for p in r["phases"]:
         lines.append(
-            f"{p['name']:<36} {p['batch_size']:>3} {p['prompt_len'] or '-':>7} "
+            f"{p['name']:<46} {p['batch_size']:>3} {p['prompt_len'] or '-':>7} "
             f"{p['chunks'] or '-':>6} {p['activation_bytes'] / 1e6:9,.1f} "
             f"{p['peak_bytes'] / 1e9:8.2f} {(r['gpu_memory_bytes'] - p['peak_bytes']) / 1e9:8.2f} "
             f"{p['host_syncs']:>5} {p['launches']:>9,}")
@@ -874,6 +1117,7 @@ def rehearsal_table(r: dict[str, Any]) -> str:
             "--prefill-chunk, or raise --tp)" if not r["rejected"] else
             "no: the engine refuses a prompt")
     lines += [f"  host syncs by op   {', '.join(syncs) or 'none'}",
+              *(f"  leaves out         {n}" for n in r["leaves_out"]),
               *(f"  note               {n}" for n in r["notes"]),
               *(f"  refused            {n}" for n in r["rejected"]),
               f"  fits               {'yes' if r['fits'] else over}"]

@@ -43,6 +43,7 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from engine.config import SamplingParams
@@ -69,10 +70,111 @@ COPIES = frozenset({"_to_copy", "to", "copy_", "copy"})
 # Indexing that syncs only with a boolean mask (it runs `nonzero` first).
 INDEXING = frozenset({"index", "index_put", "index_put_", "_index_put_impl_"})
 SCALAR_READS = frozenset({"_local_scalar_dense", "item", "equal", "is_nonzero"})
+# Functions that copy host data to the device when given a device (a blocking copy: a sync).
+HOST_TO_DEVICE = (torch.tensor, torch.as_tensor)
+
+
 def is_launch(func: Any) -> bool:
-    """Whether an op launches a kernel on a GPU: each kimi:: op, and every aten op that is
-    neither a view nor allocation or metadata alone (`NO_KERNEL`)."""
+    """Whether an op launches a kernel on a GPU: each kimi:: op (`launches` counts its
+    kernels), and every aten op that is neither a view nor allocation or metadata alone
+    (`NO_KERNEL`)."""
     return _Op.of(func).launch
+
+
+_LAUNCHES: dict[Any, int] = {}
+
+
+class _Kernels(TorchDispatchMode):
+    """Counts the kernels a kimi:: op's CUDA implementation launches (`kimi_launches`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.n = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None
+                           ) -> Any:
+        self.n += is_launch(func)
+        return func(*args, **(kwargs or {}))
+
+    def kernel_for(self, kernel: Any, device: Any) -> Any:
+        """`ops.triton_util.kernel_for`'s stand-in: a launch counts and runs nothing."""
+        mode = self
+
+        class _Grid:
+            def __getitem__(self, grid: Any) -> Any:
+                def launch(*args: Any, **kwargs: Any) -> None:
+                    mode.n += 1
+                return launch
+        return _Grid()
+
+
+def kimi_launches(func: Any, args: Any, kwargs: dict[str, Any] | None = None) -> int:
+    """The kernels `kimi::<op>` launches on CUDA at these shapes: its own implementation run
+    on the meta device as CUDA runs it (Triton where it imports), each Triton kernel counted
+    as it launches (`ops.triton_util.kernel_for`) and each aten op as `is_launch` counts it
+    (the INT4 expert bank: its alignment's sort and scans, two grouped GEMMs, the activation
+    and the reduction). Once per shapes; 1 where the implementation cannot run on meta."""
+    import sys
+    from unittest import mock
+
+    from torch._library.custom_ops import OPDEFS
+
+    import ops.custom_ops
+    import ops.triton_util
+
+    kwargs = kwargs or {}
+    try:
+        key = (func, _key(args), _key(tuple(kwargs.items())))
+    except TypeError:
+        key = None
+    if key is not None and key in _LAUNCHES:
+        return _LAUNCHES[key]
+    count = _Kernels()
+    real = ops.triton_util.kernel_for
+    # NOTE: every module that launches through `kernel_for` holds its own name for it
+    where = [(m, n) for m in list(sys.modules.values())
+             if getattr(m, "__name__", "").startswith("ops.")
+             for n in ("kernel_for", "_kernel_for") if getattr(m, n, None) is real]
+    opdef = OPDEFS[f"{func.namespace}::{func._overloadpacket.__name__}"]
+    try:
+        with mock.patch.object(ops.custom_ops, "_use_triton", lambda x: True):
+            for m, n in where:
+                setattr(m, n, count.kernel_for)
+            with count:
+                opdef._init_fn(*args, **kwargs)
+        n = max(count.n, 1)
+    except Exception:  # noqa: BLE001 - an implementation the meta device cannot run
+        n = 1
+    finally:
+        for m, name in where:
+            setattr(m, name, real)
+    if key is not None:
+        _LAUNCHES[key] = n
+    return n
+
+
+def launches(func: Any, args: Any, kwargs: dict[str, Any] | None = None) -> int:
+    """The kernels one call of `func` launches on a GPU (`is_launch`; a kimi:: op's
+    `kimi_launches`)."""
+    if func.namespace == "kimi":
+        return kimi_launches(func, args, kwargs)
+    return int(is_launch(func))
+
+
+def host_to_device(func: Any, args: Any, kwargs: dict[str, Any]) -> bool:
+    """Whether a copy (`COPIES`) moves host data to the device in a way that blocks the host:
+    from a host tensor, not `non_blocking` (the engine stages what it copies without blocking
+    in pinned memory)."""
+    name = func._overloadpacket.__name__
+    if name == "copy_":
+        src, dst = args[1], args[0]
+        blocking = not (args[2] if len(args) > 2 else kwargs.get("non_blocking", False))
+        return blocking and src.device.type == "cpu" and dst.device == DEVICE
+    dest = (args[1].device if func is aten.to.other else args[1] if func is aten.to.device
+            else kwargs.get("device"))
+    blocking = not kwargs.get("non_blocking", False)
+    return (blocking and isinstance(args[0], Tensor) and args[0].device.type == "cpu"
+            and dest is not None and torch.device(dest) == DEVICE)
 
 
 def kernel_workspace(name: str, args: Any) -> int:
@@ -226,7 +328,7 @@ class DeviceMode(TorchDispatchMode):
         gc.collect()
         self.tally = tally = Tally(self.live, self.live)
         calls = sum(self.group.comm.calls.values()) if self.group is not None else 0
-        with self:
+        with _HostData(self), self:
             yield tally
         if self.group is not None:
             tally.collectives = sum(self.group.comm.calls.values()) - calls
@@ -251,6 +353,8 @@ class DeviceMode(TorchDispatchMode):
         if not (any(t.device == DEVICE for t in tensors) or kwargs.get("device") == DEVICE):
             return func(*args, **kwargs)  # host work runs for real
         op = self.ops.get(func) or self.ops.setdefault(func, _Op.of(func))
+        if op.sync == "copy" and host_to_device(func, args, kwargs):
+            self.tally.syncs[f"{op.name} to device"] += 1
         if op.sync is not None and self._syncs(func, op, args, kwargs):
             if self.reading:
                 self.tally.readbacks += 1
@@ -263,7 +367,8 @@ class DeviceMode(TorchDispatchMode):
                 raise RehearsalError(f"{func} takes a host tensor beside device tensors: a "
                                      f"CUDA kernel refuses it")
             out = self._run(func, op, args, kwargs)
-            self.tally.launches += op.launch
+            self.tally.launches += (kimi_launches(func, args, kwargs) if func.namespace == "kimi"
+                                    else op.launch)
         self._track(op, tensors, out)
         if func.namespace == "kimi":
             ws = kernel_workspace(op.name, args)
@@ -413,6 +518,25 @@ class DeviceMode(TorchDispatchMode):
             self.live -= entry[0]
 
 
+class _HostData(TorchFunctionMode):
+    """`torch.tensor(data, device=...)` and `torch.as_tensor` of host data onto the device: a
+    blocking copy, counted as a host sync ("tensor to device") of `mode`'s phase. NOTE: they
+    reach no dispatch mode (the tensor is made on the host and moved below the dispatcher)."""
+
+    def __init__(self, mode: DeviceMode):
+        super().__init__()
+        self.mode = mode
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None
+                           ) -> Any:
+        kwargs = kwargs or {}
+        if func in HOST_TO_DEVICE and kwargs.get("device") is not None and not (
+                isinstance(args[0], Tensor) and args[0].device == DEVICE) and \
+                torch.device(kwargs["device"]) == DEVICE:
+            self.mode.tally.syncs["tensor to device"] += 1
+        return func(*args, **kwargs)
+
+
 # ---- the engine's shapes and phases ----------------------------------------------------------
 
 
@@ -442,6 +566,60 @@ def step_kinds(runner: StepGraphRunner, bs: int) -> list[tuple[str, StepShape]]:
                      " plain")
         out.append((name, shape))
     return out
+
+
+# The variants the runner captures when a batch first needs one (`StepGraphRunner.
+# _capture_late`), beside each captured shape: (name, adjusts logits, reports log-probabilities).
+LATE_VARIANTS = (("+adjust", True, False), ("+logprobs", False, True),
+                 ("+adjust+logprobs", True, True))
+
+
+def late_kinds(runner: StepGraphRunner, bs: int) -> list[tuple[str, StepShape]]:
+    """Every step shape the runner may capture while serving at batch size `bs`: each of
+    `step_kinds`' shapes in each of `LATE_VARIANTS`."""
+    return [(f"{name} {suffix}", replace(shape, adjust=adjust, logprobs=logprobs))
+            for name, shape in step_kinds(runner, bs)
+            for suffix, adjust, logprobs in LATE_VARIANTS]
+
+
+def flashinfer_imports() -> bool:
+    """Whether flashinfer imports whole (`ops.attention_gpu.flashinfer_unavailable` less its
+    check for a CUDA device, which the rehearsal stands in for)."""
+    try:
+        import flashinfer  # noqa: F401
+        from flashinfer import merge_state, sampling  # noqa: F401
+        from flashinfer.mla import BatchMLAPagedAttentionWrapper, MLAPlanMetadata  # noqa: F401
+    except Exception:  # noqa: BLE001 - whatever fails, the engine would not take it
+        return False
+    return True
+
+
+def cuda_backend(models: Models, pool: Any, steps: Sequence[tuple[int, int]], max_pages: int,
+                 sm: tuple[int, int] = (9, 0), num_sms: int = 132) -> str:
+    """The backend `--attention auto` takes on a CUDA GPU of compute capability `sm` with
+    `num_sms` SMs (default an H200's), in `engine.attention.BACKENDS`' order, for the runner's
+    `steps` (`(padded batch size, tree nodes)`): flashinfer where it imports whole and its MLA
+    kernels plan every step (`FlashInferBackend.unavailable`'s rules at those device facts),
+    else the Triton kernels where Triton imports, else torch."""
+    from engine.attention import BACKENDS, FlashInferBackend, PagedBackend
+    from ops.attention_gpu import MLADevice, mla_unsupported_reason
+    from ops.custom_ops import triton_available
+
+    mc, facts = models.target.cfg, MLADevice(sm, None, num_sms)
+    heads = models.target.model.layers[0].self_attn.num_heads
+    for b in BACKENDS:
+        if b is FlashInferBackend:
+            if flashinfer_imports() and all(mla_unsupported_reason(
+                    mc.kv_lora_rank, mc.qk_rope_head_dim, pool.target.dtype, facts,
+                    num_heads=heads, num_queries=n, batch_size=bs) is None
+                    for bs, n in sorted(set(steps))):
+                return b.option
+        elif b is PagedBackend:
+            if triton_available():
+                return b.option
+        else:
+            return b.option
+    raise AssertionError("the last backend always holds")
 
 
 def rehearse_step(mode: DeviceMode, runner: StepGraphRunner, bs: int, shape: StepShape) -> Tally:
