@@ -25,7 +25,10 @@
 # 6. the Triton kernels' CUDA tests, every file in one pytest call (one CUDA context, one
 #    Triton cache, one budget): tests/test_paged_attention.py, tests/test_moe_kernels.py,
 #    tests/test_quant_kernels.py;
-# 7. `python -m graphs.profile` on the shipping pair with `--attention auto` (the backend is
+# 7. one Kimi K2.5 layer at its real size (MLA and 384 INT4 experts, a tp-8 shard) prefilling
+#    a 4,096-token chunk over a 32,768-token cached prefix, timed against the cost model's figure
+#    for it (python -m bench.gpu_layer; both, their ratio and the slowest ops in profile.txt);
+# 8. `python -m graphs.profile` on the shipping pair with `--attention auto` (the backend is
 #    named in profile.txt and profile.json).
 #
 # Each part runs under `timeout` at its budget, clipped to what is left of TOTAL_BUDGET less
@@ -38,12 +41,16 @@
 # summary.txt, machine.txt, install.log, toolchain.txt, pytest.log, profile.txt,
 # profile.json, junit.tar.gz. The exit code is the number of failed parts.
 #
-# Knobs (environment): PYTHON (default python3, else python), TOTAL_BUDGET (s, default 540),
+# The budgets total 420 s, so the check and a machine's start leave a 15-minute device
+# allowance room to rerun it once fixed.
+#
+# Knobs (environment): PYTHON (default python3, else python), TOTAL_BUDGET (s, default 435),
 # RESERVE (s kept for the summary, default 15), GRACE (s from SIGINT to SIGKILL, default 10);
-# the parts' budgets INSTALL_TIMEOUT (30), SMI_TIMEOUT (10), ENV_TIMEOUT (35),
-# TOOLCHAIN_TIMEOUT (25), SHIPPING_TIMEOUT (170), GRAPHS_TIMEOUT (70), TRITON_TIMEOUT (120),
-# PAIR_TIMEOUT (15), PROFILE_TIMEOUT (45); TEST_TIMEOUT (s per test, default 120, at most a
-# part's limit less GRACE; 0: no per-test limit), PROFILE (0/1, default 1), BATCH_SIZES
+# the parts' budgets INSTALL_TIMEOUT (25), SMI_TIMEOUT (10), ENV_TIMEOUT (30),
+# TOOLCHAIN_TIMEOUT (20), SHIPPING_TIMEOUT (120), GRAPHS_TIMEOUT (45), TRITON_TIMEOUT (70),
+# LAYER_TIMEOUT (60), PAIR_TIMEOUT (10), PROFILE_TIMEOUT (30); TEST_TIMEOUT (s per test,
+# default 120, at most a part's limit less GRACE; 0: no per-test limit), LAYER (0/1, default
+# 1), PROFILE (0/1, default 1), BATCH_SIZES
 # (default 1,4,16,32), BUDGET (default 16), SITE_DIR (default /tmp/gpu_check_site),
 # PYTEST_ARGS (extra pytest args), DRY_RUN (0/1), MIN_PART (s, default 10: a part with less
 # time left is skipped).
@@ -54,7 +61,7 @@ OUT=${1:?usage: bash bench/gpu_check.sh [--dry-run] OUT_DIR [WHEELS_DIR]}
 WHEELS=${2:-}
 DRY=${DRY_RUN:-0}
 PY=${PYTHON:-$(command -v python3 || command -v python || echo python3)}
-BUDGET_S=${TOTAL_BUDGET:-540}
+BUDGET_S=${TOTAL_BUDGET:-435}
 RESERVE=${RESERVE:-15}
 GRACE=${GRACE:-10}
 BATCH_SIZES=${BATCH_SIZES:-1,4,16,32}
@@ -237,7 +244,7 @@ pytest_part() {  # pytest_part NAME JUNIT BUDGET [-m MARK] FILE...: the files in
 # ---- 1. wheels -------------------------------------------------------------------------------
 if [ -n "$WHEELS" ]; then
     if ls "$WHEELS"/*.whl >/dev/null 2>&1; then
-        part "install wheels from $WHEELS" install.log "${INSTALL_TIMEOUT:-30}" \
+        part "install wheels from $WHEELS" install.log "${INSTALL_TIMEOUT:-25}" \
             "$PY" -m pip install -q --no-deps --no-index --no-compile --no-cache-dir \
             --disable-pip-version-check --upgrade --target "$SITE" "$WHEELS"/*.whl
     else
@@ -252,7 +259,7 @@ part "nvidia-smi" machine.txt "${SMI_TIMEOUT:-10}" \
     bash -c 'nvidia-smi && nvidia-smi -q -d CLOCK,POWER,MEMORY'
 
 # ---- 3. the toolchain: packages, then flashinfer's --------------------------------------------
-part "toolchain: python packages" toolchain.txt "${ENV_TIMEOUT:-35}" "$PY" -m bench.gpu_check_env
+part "toolchain: python packages" toolchain.txt "${ENV_TIMEOUT:-30}" "$PY" -m bench.gpu_check_env
 
 check_flashinfer() {  # what flashinfer's first call will build with (jit/cpp_ext.py, jit/env.py)
     local nvcc="" cuda_home="${CUDA_HOME:-${CUDA_PATH:-}}" ninja prebuilt state
@@ -321,7 +328,7 @@ print(" ".join(n for n in ("flashinfer_jit_cache", "flashinfer_cubin") if u.find
 " ninja ${ninja:-missing}): flashinfer's first kernel call will fail"
     return 1
 }
-TOOLCHAIN_BUDGET=${TOOLCHAIN_TIMEOUT:-25}
+TOOLCHAIN_BUDGET=${TOOLCHAIN_TIMEOUT:-20}
 PLANNED=$((PLANNED + TOOLCHAIN_BUDGET))
 if [ "$DRY" = "1" ]; then
     echo "part: flashinfer toolchain: budget ${TOOLCHAIN_BUDGET}s"
@@ -349,18 +356,25 @@ if [ "$DRY" != "1" ] && { [ -z "$timeout_line" ] || [[ "$timeout_line" == *" abs
 then  # the package check found no pytest-timeout that imports
     PER_TEST_PLUGIN=bench.pytest_limit
 fi
-pytest_part "the shipping path: ${SHIPPING_TESTS[*]}" shipping "${SHIPPING_TIMEOUT:-170}" \
+pytest_part "the shipping path: ${SHIPPING_TESTS[*]}" shipping "${SHIPPING_TIMEOUT:-120}" \
     "${SHIPPING_TESTS[@]}"
-pytest_part "graph replay: ${GRAPH_TESTS[*]} -m cuda" graphs_cuda "${GRAPHS_TIMEOUT:-70}" \
+pytest_part "graph replay: ${GRAPH_TESTS[*]} -m cuda" graphs_cuda "${GRAPHS_TIMEOUT:-45}" \
     -m cuda "${GRAPH_TESTS[@]}"
 pytest_part "Triton kernels: ${#TRITON_TESTS[@]} files -m cuda" triton_kernels \
-    "${TRITON_TIMEOUT:-120}" -m cuda "${TRITON_TESTS[@]}"
+    "${TRITON_TIMEOUT:-70}" -m cuda "${TRITON_TESTS[@]}"
 
-# ---- 7. graph profile of the shipping pair ---------------------------------------------------
+# ---- 7. one Kimi layer at its real size against the cost model -------------------------------
+if [ "${LAYER:-1}" = "1" ]; then
+    part "real-size layer: Kimi K2.5 tp-8 shard, 4,096 tokens over 32,768 cached" profile.txt \
+        "${LAYER_TIMEOUT:-60}" "$PY" -m bench.gpu_layer --tp 8 --prefix 32768 --chunk 4096 \
+        --out "$WORK/layer.json"
+fi
+
+# ---- 8. graph profile of the shipping pair ---------------------------------------------------
 if [ "${PROFILE:-1}" = "1" ]; then
-    part "write the shipping pair" profile.txt "${PAIR_TIMEOUT:-15}" \
+    part "write the shipping pair" profile.txt "${PAIR_TIMEOUT:-10}" \
         "$PY" -m bench.gpu_check_model --out "$WORK/pair"
-    part "graphs.profile (the shipping pair)" profile.txt "${PROFILE_TIMEOUT:-45}" \
+    part "graphs.profile (the shipping pair)" profile.txt "${PROFILE_TIMEOUT:-30}" \
         "$PY" -m graphs.profile --model "$WORK/pair/target" --draft "$WORK/pair/draft" \
         --attention auto --batch-sizes "$BATCH_SIZES" --budget "$BUDGET" \
         --output "$OUT/profile.json" --no-progress

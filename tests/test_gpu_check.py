@@ -1,6 +1,7 @@
 """bench/gpu_check.sh and its helpers, without a GPU: the dry run lists every part with its
 budget (the toolchain, the shipping path, the graphs, the Triton kernels in one pytest call,
-the profile), within the 540 s budget; the check's test files collect on the CPU (their
+one Kimi layer at its real size against the cost model, the profile), 420 s in all (the
+script's 435 s less its reserve: room for a rerun); the check's test files collect on the CPU (their
 non-CUDA tests are the suite's own); a part at its limit gets SIGINT and keeps its JUnit
 report, a test over the per-test limit fails alone, a signal to the script stops its part;
 the toolchain names each missing package; a flashinfer that imports only in part is not
@@ -28,7 +29,8 @@ from ops import attention_gpu
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "bench" / "gpu_check.sh"
-TOTAL = 540
+TOTAL = 435  # the script's TOTAL_BUDGET
+PARTS_TOTAL = 420  # the parts' budgets, at most
 TRITON_FILES = ["tests/test_paged_attention.py", "tests/test_moe_kernels.py",
                 "tests/test_quant_kernels.py"]
 
@@ -77,8 +79,13 @@ def test_dry_run_lists_every_part_with_a_budget_within_the_total(tmp_path):
     profile = parts["graphs.profile (the shipping pair)"][1]
     assert "--attention auto" in profile and "pair/target" in profile
     assert "-m bench.gpu_check_model" in parts["write the shipping pair"][1]
+    layer = parts["real-size layer: Kimi K2.5 tp-8 shard, 4,096 tokens over 32,768 cached"][1]
+    assert "-m bench.gpu_layer" in layer
+    assert all(f in layer.split() for f in ("--tp", "8", "--prefix", "32768", "--chunk", "4096"))
+    assert names[-3:] == [next(n for n in names if n.startswith("real-size layer")),
+                          "write the shipping pair", "graphs.profile (the shipping pair)"]
     total = sum(b for b, _ in parts.values())
-    assert total <= TOTAL
+    assert total <= PARTS_TOTAL < TOTAL
     summary = (tmp_path / "out" / "summary.txt").read_text()
     assert "DRY RUN" in summary and f"parts' budgets: {total}s of {TOTAL}s" in summary
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["summary.txt"]
@@ -156,7 +163,7 @@ def test_a_part_at_its_limit_gets_sigint_and_keeps_its_junit(tmp_path):
     out = tmp_path / "out"
     env = _env(tmp_path, PYTHON=str(_fake_python(tmp_path)), SHIPPING_TIMEOUT="5",
                GRAPHS_TIMEOUT="1", TRITON_TIMEOUT="1", TEST_TIMEOUT="0", GRACE="5",
-               MIN_PART="3", PROFILE="0")
+               MIN_PART="3", PROFILE="0", LAYER="0")
     t0 = time.monotonic()
     r = subprocess.run(["bash", str(SCRIPT), str(out)], env=env, capture_output=True, text=True,
                        timeout=120)
@@ -186,7 +193,7 @@ def _running(pid: int) -> bool:
 
 def test_a_signal_to_the_script_stops_its_part_and_writes_the_summary(tmp_path):
     out, pid = tmp_path / "out", tmp_path / "pid"
-    env = _env(tmp_path, PYTHON=str(_fake_python(tmp_path, pid)), PROFILE="0")
+    env = _env(tmp_path, PYTHON=str(_fake_python(tmp_path, pid)), PROFILE="0", LAYER="0")
     p = subprocess.Popen(["bash", str(SCRIPT), str(out)], env=env, stdout=subprocess.DEVNULL,
                          stderr=subprocess.DEVNULL)
     try:
