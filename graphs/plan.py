@@ -338,6 +338,20 @@ class CostMode(TorchDispatchMode):
             self._rereads = (self._row_tiles(bs, M, nh, table.shape[1] * page_size, cache.dtype,
                                              kv_heads, hd) - 1) * keys
             return _bytes((q, out)) + keys
+        if name == "mha_prefill":
+            # each row tile of the flash pass streams the keys it sees (every key, or the
+            # causal square's up to its rows): what it reads beyond once comes from L2
+            from ops.prefill import mha_tiles
+
+            q, k_nope, k_pe, v, causal = args[0], args[1], args[2], args[3], args[5]
+            B, T, H, _ = q.shape
+            N = k_nope.shape[1]
+            bm = mha_tiles(q.dtype, q.shape[-1], v.shape[-1])[0]
+            tiles = -(-T // bm)
+            seen = bm * tiles * (tiles + 1) // 2 if causal else N * tiles
+            per_key = B * H * (k_nope.shape[-1] + k_pe.shape[-1] + v.shape[-1]) * \
+                k_nope.element_size()
+            self._rereads = max(seen - N, 0) * per_key
         # NOTE: any other kimi:: op reads its inputs and writes its outputs once (its FLOPs
         # are its registered formula's)
         return _bytes(args) + _bytes(out)
