@@ -468,7 +468,9 @@ def prefill_costs(a: argparse.Namespace, models: Models, dtype: torch.dtype, gpu
     context, linear in it: measured at one and two chunks of context, summed over the chunks
     (the last one counted whole)."""
     c = cuda_prefill_chunk(a)
-    longest = max(3 * c, sum(a.cached_turn or ()))
+    turn = cached_turn(a, models)
+    lens = sorted({*a.prompt_lens, *([sum(turn)] if turn else [])})
+    longest = max(3 * c, *lens)
     pool = models.kv_pool(a.page_size, 1 + pages_needed(longest, a.page_size), dtype, "meta")
     pages = list(range(1, pool.num_pages))
 
@@ -481,10 +483,10 @@ def prefill_costs(a: argparse.Namespace, models: Models, dtype: torch.dtype, gpu
             prefill_chunk(models, pool, pages, start, n)
         return _counts(models, flops, cost)
 
-    firsts = {n: chunk(0, n) for n in sorted({min(n, c) for n in a.prompt_lens})}
-    one, two = (chunk(c), chunk(2 * c)) if max(a.prompt_lens) > c else ({}, {})
+    firsts = {n: chunk(0, n) for n in sorted({min(n, c) for n in lens})}
+    one, two = (chunk(c), chunk(2 * c)) if max(lens) > c else ({}, {})
     rows = []
-    for n in a.prompt_lens:
+    for n in lens:
         k = -(-n // c)
         first = firsts[min(n, c)]
         # later chunks i = 1 .. k - 1 at context i * c: (k - 1) x one + (sum of i - 1) x slope
@@ -500,26 +502,39 @@ def prefill_costs(a: argparse.Namespace, models: Models, dtype: torch.dtype, gpu
         ops = [first["ops"], *(later_chunk_ops(one["ops"], two["ops"], i) for i in range(1, k))]
         _priced(a, models, r, ops, [(i * c, min(c, n - i * c)) for i in range(k)], gpus)
         rows.append(r)
-    if a.cached_turn:
-        rows += cached_turn_costs(a, models, dtype, gpus, rows, chunk)
+    if turn:
+        rows.append(cached_turn_cost(a, models, gpus, turn, chunk))
     return rows
 
 
-def cached_turn_costs(a: argparse.Namespace, models: Models, dtype: torch.dtype, gpus: list[str],
-                      rows: list[dict[str, Any]], chunk: Any) -> list[dict[str, Any]]:
-    """`--cached-turn NEW,CACHED`: the prompt of CACHED + NEW tokens prefilled cold (as the
-    rows before it) and as an agent's turn whose first CACHED tokens (page-aligned) the prefix
-    cache holds: only NEW tokens computed, in chunks over the cached context, each measured."""
-    if len(a.cached_turn) != 2:
-        raise SystemExit("--cached-turn takes two numbers: NEW,CACHED")
+def _turn(s: str) -> tuple[int, int]:
+    """`--cached-turn`'s NEW,CACHED: a positive count of new tokens and a count of cached ones."""
+    try:
+        new, cached = (int(x) for x in s.split(","))
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"expected NEW,CACHED (two integers), got {s!r}") from e
+    if new < 1 or cached < 0:
+        raise argparse.ArgumentTypeError(f"expected NEW >= 1 and CACHED >= 0, got {s!r}")
+    return new, cached
+
+
+def cached_turn(a: argparse.Namespace, models: Models) -> tuple[int, int] | None:
+    """`--cached-turn NEW,CACHED` (CACHED page-aligned), when the context holds it."""
+    if not a.cached_turn:
+        return None
     new, cached = a.cached_turn
     cached -= cached % a.page_size
+    max_len = a.max_model_len or models.target.cfg.max_position_embeddings
+    return (new, cached) if new + cached <= max_len else None
+
+
+def cached_turn_cost(a: argparse.Namespace, models: Models, gpus: list[str],
+                     turn: tuple[int, int], chunk: Any) -> dict[str, Any]:
+    """An agent's turn of NEW tokens whose first CACHED tokens the prefix cache holds: only
+    the NEW tokens computed, in chunks over the cached context, each measured (the same prompt
+    prefilled cold is a row of its own)."""
+    new, cached = turn
     c, total = cuda_prefill_chunk(a), cached + new
-    out = []
-    if total not in [r["prompt_len"] for r in rows if "cached" not in r]:
-        cold = prefill_costs(argparse.Namespace(**{**vars(a), "prompt_lens": [total],
-                                                   "cached_turn": None}), models, dtype, gpus)
-        out += cold
     warm: dict[str, Any] = {"prompt_len": total, "cached": cached, "chunk": c,
                             "chunks": -(-new // c)}
     ops, spans = [], [(start, min(c, total - start)) for start in range(cached, total, c)]
@@ -530,7 +545,7 @@ def cached_turn_costs(a: argparse.Namespace, models: Models, dtype: torch.dtype,
             else:
                 warm[key] = warm.get(key, 0) + v
     _priced(a, models, warm, ops, spans, gpus)
-    return out + [warm]
+    return warm
 
 
 def _priced(a: argparse.Namespace, models: Models, row: dict[str, Any],
@@ -702,10 +717,10 @@ def build_parser() -> argparse.ArgumentParser:
                          "and launches; exit 1 when one does not fit")
     ap.add_argument("--prompt-lens", type=int_list(1), default=[1024, 32768],
                     help="for --rehearse: prompt lengths, each prefilled alone")
-    ap.add_argument("--cached-turn", type=int_list(1), default=[2048, 30720], metavar="NEW,CACHED",
+    ap.add_argument("--cached-turn", type=_turn, default=(2048, 30720), metavar="NEW,CACHED",
                     help="with --cost: an agent's turn of NEW tokens over CACHED ones the prefix "
-                         "cache holds, beside the same prompt prefilled cold (default: "
-                         "2048,30720)")
+                         "cache holds, beside the same prompt prefilled cold, when the context "
+                         "holds it (default: 2048,30720)")
     ap.add_argument("--budgets", type=int_list(1), default=[4, 8, 16, 32])
     ap.add_argument("--context", type=int, default=4096, help="committed tokens per row")
     ap.add_argument("--gpus", default="H200", help=f"comma-separated, of {', '.join(GPUS)}")
