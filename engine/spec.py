@@ -31,6 +31,7 @@ from engine.models.dflash import DFlashDrafter
 from engine.models.kimi import KimiForCausalLM
 from engine.models.vision import KimiVision
 from ops.logits import add_bias_, emitted_logprobs, mask_, token_logprobs
+from ops.prefill import TORCH_MHA, MHAPass
 from ops.sampling import argmax, race_logits, sample_from_probs, target_probs
 from ops.tree import DDTree, build_ddtree, build_ddtree_host, chain_tree
 from ops.verify import Decision, tree_greedy, tree_greedy_host
@@ -420,16 +421,17 @@ def commit(models: Models, pool: KVPool, buf: StepBuffers, dec: Decision, aux: T
 
 def prefill_forward(target: KimiForCausalLM, ids: Tensor, last: Tensor, aux_layers: Sequence[int],
                     moe: str, drafter: DFlashDrafter | None = None,
-                    embeds: tuple[Tensor, Tensor] | None = None,
-                    ) -> tuple[Tensor, Tensor | None, Tensor]:
-    """The prefill's forward over `ids [B, T]` (at positions `0 ..`) with the expert pass `moe`:
-    the logits at `last [B, 1]` (`[B, V]`), the drafter's context rows of every position
-    `[draft_layers, B, T, kv_dim]` (None without a drafter) and every layer's cache rows
-    `[layers, B, T, R + P]`. `embeds`: rows replacing token embeddings
-    (`KimiForCausalLM.embed`)."""
+                    embeds: tuple[Tensor, Tensor] | None = None, *,
+                    attention: MHAPass = TORCH_MHA) -> tuple[Tensor, Tensor | None, Tensor]:
+    """The prefill's forward over `ids [B, T]` (at positions `0 ..`) with the expert pass `moe`
+    and the attention backend's MHA pass `attention`: the logits at `last [B, 1]` (`[B, V]`),
+    the drafter's context rows of every position `[draft_layers, B, T, kv_dim]` (None without
+    a drafter) and every layer's cache rows `[layers, B, T, R + P]`. `embeds`: rows replacing
+    token embeddings (`KimiForCausalLM.embed`)."""
     rows: list[Tensor] = []
     logits, aux = target(ids, aux_layers, moe=moe, logits_rows=last, cache_rows_out=rows,
-                         embeds=embeds)
+                         attention=attention, embeds=embeds)
+    assert logits is not None
     # NOTE: the drafter's context rows are made here, so a compiled prefill makes them in its
     # graph too (eagerly, after the graph, they were 66 small ops of their own).
     ctx = None
@@ -484,13 +486,15 @@ def prefill(models: Models, pool: KVPool, ctxs: Sequence[Sequence[int]],
     flat = _flat_embeds(embeds, T, dev)
     if forward is None:
         logits, ctx, rows = prefill_forward(models.target, ids, last, models.aux_layers, moe,
-                                            models.drafter, flat)
+                                            models.drafter, flat,
+                                            attention=models.attention.prefill_pass())
     else:
         import torch._dynamo as dynamo
 
         dynamo.mark_dynamic(ids, 1)
         logits, ctx, rows = forward(models.target, ids, last, models.aux_layers, moe,
-                                    models.drafter, flat)
+                                    models.drafter, flat,
+                                    attention=models.attention.prefill_pass())
     pos = torch.arange(T, device=dev).expand(B, T)
     # NOTE: the real (unpadded) positions, flat, indexed from the lengths on the host: a
     # boolean mask would make the host wait for the device to count its true elements.
@@ -510,16 +514,16 @@ def prefill_chunk(models: Models, pool: KVPool, tokens: Sequence[int], start: in
                   write_target: bool = True, feed: bool = True, logits: str | None = "last",
                   embeds: Embeds | None = None) -> Tensor | None:
     """One forward of one request's `tokens` at positions `start ..`, its first `start`
-    positions already cached in `pages`: the absorbed form over the latent cache (read as the
-    attention backend reads a step's prefix: in place on CUDA, gathered over the live pages
-    elsewhere) and causal within the tokens, so nothing is `T x T` in the prompt and the
-    activations follow the chunk, not the context. Writes the tokens' target latent rows with
-    `write_target`, and their drafter context rows with `feed` (when there is a drafter).
-    Returns their logits (fp32): `logits` "last" the last token's `[V]`, "all" every one's
-    `[n, V]`, None none (and the forward stops after the last aux layer when only the
-    drafter's rows are wanted). `expert_pass` gives the expert pass of its tokens. `embeds`:
-    rows replacing some of the tokens' embeddings (`Embeds`, offsets within `tokens`). Eager:
-    its lengths follow the request."""
+    positions already cached in `pages`: the MHA form, causal within the tokens and over the
+    cached prefix, whose latent rows each layer up-projects a bounded chunk at a time
+    (`ops.prefill.mla_prefill`, through the attention backend's MHA pass), so nothing is
+    `T x T` in the prompt and the activations follow the chunk, not the context. Writes the
+    tokens' target latent rows with `write_target`, and their drafter context rows with `feed`
+    (when there is a drafter). Returns their logits (fp32): `logits` "last" the last token's
+    `[V]`, "all" every one's `[n, V]`, None none (and the forward stops after the last aux
+    layer when only the drafter's rows are wanted). `expert_pass` gives the expert pass of its
+    tokens. `embeds`: rows replacing some of the tokens' embeddings (`Embeds`, offsets within
+    `tokens`). Eager: its lengths follow the request."""
     target, drafter = models.target, models.drafter
     dev, n = pool.target.device, len(tokens)
     if n == 0 or start < 0:
@@ -527,27 +531,20 @@ def prefill_chunk(models: Models, pool: KVPool, tokens: Sequence[int], start: in
     live = -(-(start + n) // pool.page_size)
     if live > len(pages):
         raise ValueError(f"positions up to {start + n} need {live} pages, got {len(pages)}")
-    host = torch.tensor(list(pages[:live]))[None]
-    ctx_len = torch.tensor([start])
-    att = models.attention
-    if att.plans:
-        att.plan(host, ctx_len, n)
-    table, ctx_len = host.to(dev), ctx_len.to(dev)
+    table = torch.tensor(list(pages[:live]), device=dev)[None]
     ids = torch.tensor(list(tokens), device=dev)[None]
     pos = start + torch.arange(n, device=dev)[None]
-    causal = torch.ones(n, n, dtype=torch.bool, device=dev).tril()[None]
-    rows = torch.empty(target.cfg.num_hidden_layers, 1, n, target.cfg.kv_cache_dim,
-                       dtype=pool.target.dtype, device=dev)
+    rows: list[Tensor] = []
     aux_layers = models.aux_layers if feed and drafter is not None else ()
-    out, aux = target.verify(
-        ids, pos, pool.target, att.slots(table, pool.page_size), ctx_len, causal, rows,
-        aux_layers, expert_pass(n), att.prefix(table, n, pool.page_size,
-                                               target.cfg.softmax_scale),
+    out, aux = target(
+        ids, aux_layers, expert_pass(n), cache_rows_out=rows,
+        attention=models.attention.prefill_pass(), kv_cache=pool.target,
+        prefix_slots=slot_of(table, torch.arange(start, device=dev)[None], pool.page_size),
         logits=logits or ("none" if write_target or not aux_layers else "features"),
         embeds=_flat_embeds([embeds], n, dev))
     slots = slot_of(table, pos, pool.page_size)[0]
     if write_target:
-        pool.target[:, slots] = rows[:, 0]
+        pool.target[:, slots] = torch.stack(rows)[:, 0].to(pool.target.dtype)
     if aux is not None and drafter is not None:
         feed_drafter(drafter, pool, aux[0], pos[0], slots)
     return None if out is None else out[0, -1] if logits == "last" else out[0]

@@ -1,7 +1,7 @@
-"""MLA attention: the naive form for prefill, and the absorbed (latent, MQA-like) form for decode
-and tree verification over the paged cache's prefix and the tree's own latents: one softmax over
-both key sets on the torch path, or a planned prefix kernel's pass plus a tree pass merged by
-log-sum-exp.
+"""MLA attention in the absorbed (latent, MQA-like) form, for decode and tree verification over
+the paged cache's prefix and the tree's own latents: one softmax over both key sets on the torch
+path, or a planned prefix kernel's pass plus a tree pass merged by log-sum-exp. (Prefill runs the
+MHA form: `ops.prefill`.)
 
 The absorbed form sees one key head of width `R + P` (`c_kv` and the shared roped `k_pe`) and one
 value head of width `R` (`c_kv`); queries arrive already absorbed (`q_lat = W_UK^T q_nope`).
@@ -19,28 +19,6 @@ from torch import Tensor
 NEG_INF = float("-inf")
 # (q_lat, q_pe, kv_cache, ctx_len) -> (latent output, natural-log LSE), like `prefix_attention`
 PrefixKernel = Callable[[Tensor, Tensor, Tensor, Tensor], tuple[Tensor, Tensor]]
-
-
-def mla_naive(
-    q_nope: Tensor, q_pe: Tensor, k_nope: Tensor, k_pe: Tensor, v: Tensor, scale: float,
-    causal: bool | Tensor = True,
-) -> Tensor:
-    """Plain multi-head attention over expanded keys (prefill).
-
-    `q_nope [B, T, H, Dn]`, `q_pe [B, T, H, P]`, `k_nope [B, T, H, Dn]`, `k_pe [B, T, P]` (shared
-    by all heads), `v [B, T, H, Dv]` -> `[B, T, H, Dv]`. `causal`: True, or the causal mask
-    `[T, T]` (True where a query sees a key) when the caller made it once for every layer.
-    """
-    s = torch.einsum("bqhd,bkhd->bhqk", q_nope.float(), k_nope.float())
-    s = s + torch.einsum("bqhd,bkd->bhqk", q_pe.float(), k_pe.float())
-    s = s * scale
-    if causal is not False:
-        T = s.shape[-1]
-        mask = causal if isinstance(causal, Tensor) else \
-            torch.ones(T, T, dtype=torch.bool, device=s.device).tril()
-        s = s.masked_fill(~mask, NEG_INF)
-    p = torch.softmax(s, dim=-1)
-    return torch.einsum("bhqk,bkhd->bqhd", p, v.float()).to(v.dtype)
 
 
 def _masked_softmax_state(s: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:

@@ -12,6 +12,9 @@ the dtype and the GPU: `mla_backend` / `mla_unsupported_reason` answer that on t
 the rules flashinfer 0.7.4 itself applies, so an unsupported model takes the torch path before
 any capture instead of failing inside one.
 
+A prefill's MHA passes (`ops.prefill.MHAPass`) may run on flashinfer's ragged prefill
+(`FlashInferRaggedMHA`, DeepSeek's 192 / 128 head widths), where it imports and fits.
+
 Graph use: one `FlashInferMLAPrefix` per captured (batch size, tree nodes) (its metadata
 buffers are fixed), held by `engine.attention.flashinfer.FlashInferBackend`; `plan()` is
 host-side work on host tensors and runs before every replay, outside the graph; `__call__` is
@@ -26,6 +29,8 @@ from typing import Any
 
 import torch
 from torch import Tensor
+
+from ops.prefill import MHAPass, merge_with_lse
 
 LN2 = math.log(2.0)
 
@@ -474,3 +479,73 @@ def merge_states_flashinfer(o1: Tensor, lse1: Tensor, o2: Tensor, lse2: Tensor) 
                        (lse2 / LN2).reshape(-1, H).float().contiguous())
     return v.view(*lead, H, D)
 
+
+
+# ---- the prefill's MHA pass on flashinfer's ragged prefill --------------------------------------
+
+# (qk, vo) head widths flashinfer's ragged prefill compiles: DeepSeek's (192, 128) and the
+# common equal widths.
+RAGGED_HEAD_DIMS = ((192, 128), (64, 64), (128, 128), (256, 256))
+RAGGED_WORKSPACE_BYTES = 128 << 20  # the float workspace, as flashinfer's examples size it
+RAGGED_PLANS = 4  # planned wrappers kept: a chunk's own square, full and last prefix chunks
+
+
+def ragged_prefill_unavailable(qk_dim: int, v_dim: int, dtype: torch.dtype) -> str | None:
+    """Why `FlashInferRaggedMHA` cannot run a model of these head widths and dtype, or None."""
+    if dtype not in (torch.bfloat16, torch.float16):
+        return f"flashinfer's ragged prefill runs 16-bit inputs, not {dtype}"
+    if (qk_dim, v_dim) not in RAGGED_HEAD_DIMS:
+        return f"flashinfer's ragged prefill has no ({qk_dim}, {v_dim}) head widths"
+    try:
+        from flashinfer import BatchPrefillWithRaggedKVCacheWrapper  # noqa: F401
+    except Exception as e:  # noqa: BLE001 - whatever fails, the Triton pass runs instead
+        return f"flashinfer's ragged prefill does not import ({type(e).__name__}: {e})"
+    return None
+
+
+class FlashInferRaggedMHA(MHAPass):
+    """One MHA prefill pass (`ops.prefill.MHAPass`) on flashinfer's
+    `BatchPrefillWithRaggedKVCacheWrapper`, as SGLang prefills DeepSeek models: every batch row
+    is one ragged segment of `T` queries over `N` keys (causal for the chunk's own square), the
+    shared roped key part broadcast to every head and concatenated to the nope part (one
+    bounded chunk of keys at a time), flashinfer's base-2 LSE turned natural, and a previous
+    pass merged by `ops.prefill.merge_with_lse`. Plans are host work (the lengths are shapes)
+    and kept for the last few shapes, so a chunk's layers after the first reuse them. Eager
+    only (a prefill is never captured). Not run by this project's tests (no GPU): chosen only
+    where `ragged_prefill_unavailable` says it can run."""
+
+    def __init__(self, device: torch.device | str = "cuda",
+                 workspace_bytes: int = RAGGED_WORKSPACE_BYTES):
+        self.workspace = torch.empty(workspace_bytes, dtype=torch.uint8, device=device)
+        self.plans: dict[tuple[Any, ...], Any] = {}
+
+    def _wrapper(self, B: int, T: int, N: int, H: int, qk: int, vo: int, dtype: torch.dtype,
+                 causal: bool, scale: float) -> Any:
+        key = (B, T, N, H, qk, vo, dtype, causal, scale)
+        w = self.plans.pop(key, None)
+        if w is None:
+            from flashinfer import BatchPrefillWithRaggedKVCacheWrapper
+
+            # NOTE: one float workspace for every wrapper: they run one at a time on one stream
+            w = BatchPrefillWithRaggedKVCacheWrapper(self.workspace, "NHD")
+            w.plan(torch.arange(B + 1, dtype=torch.int32) * T,
+                   torch.arange(B + 1, dtype=torch.int32) * N, H, H, qk, head_dim_vo=vo,
+                   causal=causal, sm_scale=scale, q_data_type=dtype, kv_data_type=dtype)
+            while len(self.plans) >= RAGGED_PLANS:
+                self.plans.pop(next(iter(self.plans)))
+        self.plans[key] = w  # most recently used last
+        return w
+
+    def __call__(self, q: Tensor, k_nope: Tensor, k_pe: Tensor, v: Tensor, scale: float,
+                 causal: bool, prev_o: Tensor | None = None, prev_lse: Tensor | None = None
+                 ) -> tuple[Tensor, Tensor]:
+        B, T, H, qk = q.shape
+        N, vo = k_nope.shape[1], v.shape[-1]
+        k = torch.cat([k_nope, k_pe[:, :, None, :].expand(B, N, H, k_pe.shape[-1])], dim=-1)
+        w = self._wrapper(B, T, N, H, qk, vo, q.dtype, causal, float(scale))
+        o, lse = w.run(q.reshape(B * T, H, qk).contiguous(), k.reshape(B * N, H, qk),
+                       v.reshape(B * N, H, vo).contiguous(), return_lse=True)
+        o, lse = o.view(B, T, H, vo).float(), lse.view(B, T, H).float() * LN2
+        if prev_o is not None and prev_lse is not None:
+            return merge_with_lse(prev_o, prev_lse, o, lse)
+        return o, lse

@@ -11,6 +11,10 @@
   page_size, scale)`: attention over a paged cache whose work follows each row's length
   (`ops.attention_triton` on CUDA, the `ops.paged` twins elsewhere); each returns the output
   and its natural-log LSE.
+- `torch.ops.kimi.mha_prefill(q, k_nope, k_pe, v, scale, causal, prev_o, prev_lse)`: one MHA
+  prefill pass (`ops.prefill.MHAPass`: a chunk's queries over its own causal square or one
+  up-projected prefix chunk, merged with the previous pass's result) -> output fp32 and LSE
+  (`ops.prefill_triton` on CUDA, `ops.prefill.mha_attention` elsewhere).
 
 Shapes: `x [T, H]`, `idx/w [T, k]` (routing ids and weights; ids outside `[0, E)` are
 dropped), `w13 [E, 2I, H]` (gate rows then up rows), `w2 [E, H, I]`, packed as in
@@ -49,6 +53,7 @@ from ops.moe import (
     experts_aligned_w4a16,
     moe_flops,
 )
+from ops.prefill import mha_attention, mha_flops
 from ops.quant import fp8_linear_torch
 
 
@@ -243,3 +248,37 @@ def _moe_experts_fp8_flop(x_shape, idx_shape, w_shape, w13_shape, w13_scale_inv_
 def _fp8_linear_flop(x_shape, w_shape, scale_inv_shape, block_n: int = 128,
                      block_k: int = 128, *, out_shape=None, **kwargs) -> int:
     return 2 * math.prod(x_shape[:-1]) * w_shape[0] * w_shape[1]
+
+
+@torch.library.custom_op("kimi::mha_prefill", mutates_args=())
+def mha_prefill(q: Tensor, k_nope: Tensor, k_pe: Tensor, v: Tensor, scale: float, causal: bool,
+                prev_o: Tensor | None = None, prev_lse: Tensor | None = None
+                ) -> tuple[Tensor, Tensor]:
+    """One MHA prefill pass: `q [B, T, H, Dn + P]` over `k_nope [B, N, H, Dn]`, `k_pe [B, N,
+    P]`, `v [B, N, H, Dv]` (causal: `N == T`) -> output `[B, T, H, Dv]` fp32 and LSE `[B, T,
+    H]` fp32, merged with `(prev_o, prev_lse)` when given."""
+    if _use_triton(q):
+        from ops.prefill_triton import mha_prefill_triton
+
+        return mha_prefill_triton(q, k_nope, k_pe, v, scale, causal, prev_o, prev_lse)
+    return mha_attention(q, k_nope, k_pe, v, scale, causal, prev_o, prev_lse)
+
+
+@mha_prefill.register_fake
+def _mha_prefill_fake(q: Tensor, k_nope: Tensor, k_pe: Tensor, v: Tensor, scale: float,
+                      causal: bool, prev_o: Tensor | None = None, prev_lse: Tensor | None = None
+                      ) -> tuple[Tensor, Tensor]:
+    B, T, H, _ = q.shape
+    torch._check(k_nope.shape[:3] == v.shape[:3] and k_nope.shape[0] == B
+                 and k_nope.shape[2] == H and k_pe.shape[:2] == k_nope.shape[:2],
+                 lambda: f"k_nope {tuple(k_nope.shape)}, k_pe {tuple(k_pe.shape)}, v "
+                         f"{tuple(v.shape)} do not fit q {tuple(q.shape)}")
+    return (q.new_empty(B, T, H, v.shape[-1], dtype=torch.float32),
+            q.new_empty(B, T, H, dtype=torch.float32))
+
+
+@register_flop_formula(torch.ops.kimi.mha_prefill)
+def _mha_prefill_flop(q_shape, k_nope_shape, k_pe_shape, v_shape, scale: float, causal: bool,
+                      prev_o_shape=None, prev_lse_shape=None, *, out_shape=None, **kwargs) -> int:
+    B, T, H, dqk = q_shape
+    return mha_flops(B, T, k_nope_shape[1], H, dqk, v_shape[-1], causal)

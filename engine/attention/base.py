@@ -12,7 +12,9 @@ neither ever looks at which kernel runs (mini-sglang's backends behind a few hoo
   (`ops.attention.PrefixKernel`), or None for one softmax over the gathered slots;
 - `draft_context(cache, page_table, ctx_len, page_size, slots)`: the drafter's committed
   context, gathered `[layers, bs, C, kv_dim]` with its validity mask, or a `PagedContext` that
-  carries the context attention reading it in place.
+  carries the context attention reading it in place;
+- `prefill_pass()`: the MHA pass every prefill chunk's attention runs (`ops.prefill.MHAPass`:
+  the chunk's own causal square and each up-projected prefix chunk), by default the torch twin.
 
 Each class also says whether it can run where the engine runs (`unavailable`), whether `auto`
 takes it there (`auto`), and builds itself (`create`) from a `Setup`.
@@ -30,6 +32,7 @@ from engine.kv_cache import KVPool
 from engine.models.dflash import PagedContext
 from engine.models.kimi import KimiForCausalLM
 from ops.attention import PrefixKernel
+from ops.prefill import TORCH_MHA, MHAPass
 
 # The drafter's context as the step hands it over: gathered rows with their validity mask
 # (`[layers, bs, C, kv_dim]`, `[bs, C]`), or read in place (`PagedContext`, no mask).
@@ -98,6 +101,12 @@ class AttentionBackend:
         """The drafter's committed context from its cache `[layers, num_slots, kv_dim]`:
         `slots` is what `self.slots` returned for this step."""
         raise NotImplementedError
+
+    def prefill_pass(self) -> MHAPass:
+        """The MHA pass of a prefill's attention (`ops.prefill.mla_prefill`): the first chunk
+        of a prompt and every later one (chunked prefill, the drafter's catch-up, prompt
+        log-probabilities, a prefix-cache hit's remainder)."""
+        return TORCH_MHA
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"

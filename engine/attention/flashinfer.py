@@ -4,7 +4,9 @@ runner steps, planned before each step outside the graph; the tree pass and the 
 `ops.attention`'s. Everything else (steps without a planned kernel, the drafter's context)
 takes the paged kernels, or the torch path where Triton is missing. It runs only where one of
 flashinfer's MLA backends can plan every step (`ops.attention_gpu.mla_unsupported_reason`),
-decided before any capture, never by a failed one."""
+decided before any capture, never by a failed one. A prefill's MHA passes run on flashinfer's
+ragged prefill where its head widths and dtype fit (`ops.attention_gpu.FlashInferRaggedMHA`),
+else as the fallback runs them."""
 
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ from engine.attention.base import AttentionBackend, DraftContext, Setup
 from engine.attention.paged import PagedBackend
 from engine.attention.torch import TorchBackend
 from ops.attention import PrefixKernel
+from ops.prefill import MHAPass
 
 
 class FlashInferBackend(AttentionBackend):
@@ -24,9 +27,12 @@ class FlashInferBackend(AttentionBackend):
     option = "flashinfer"
     plans = True
 
-    def __init__(self, kernels: dict[tuple[int, int], Any], fallback: AttentionBackend):
+    def __init__(self, kernels: dict[tuple[int, int], Any], fallback: AttentionBackend,
+                 prefill: MHAPass | None = None):
         self.kernels = kernels  # (batch size, tree nodes) -> FlashInferMLAPrefix
         self.fallback = fallback
+        # flashinfer's ragged prefill, or None: the fallback's pass
+        self.prefill = prefill
 
     @classmethod
     def unavailable(cls, setup: Setup) -> str | None:
@@ -57,7 +63,11 @@ class FlashInferBackend(AttentionBackend):
             bs, n, setup.max_pages, setup.pool.page_size, heads, mc.kv_lora_rank,
             mc.qk_rope_head_dim, mc.softmax_scale, dtype, dev, workspace=ws,
             device_facts=facts) for bs, n in setup.steps}
-        return cls(kernels, PagedBackend() if triton_available() else TorchBackend())
+        from ops.attention_gpu import FlashInferRaggedMHA, ragged_prefill_unavailable
+
+        ragged = ragged_prefill_unavailable(mc.qk_head_dim, mc.v_head_dim, dtype) is None
+        return cls(kernels, PagedBackend() if triton_available() else TorchBackend(),
+                   FlashInferRaggedMHA(dev) if ragged else None)
 
     def plan(self, page_table: Tensor, cache_len: Tensor, num_nodes: int) -> None:
         kernel = self.kernels.get((page_table.shape[0], num_nodes))
@@ -78,5 +88,9 @@ class FlashInferBackend(AttentionBackend):
                       page_size: int, slots: Tensor | None) -> DraftContext:
         return self.fallback.draft_context(cache, page_table, ctx_len, page_size, slots)
 
+    def prefill_pass(self) -> MHAPass:
+        return self.prefill if self.prefill is not None else self.fallback.prefill_pass()
+
     def __repr__(self) -> str:
-        return f"FlashInferBackend({sorted(self.kernels)}, fallback={self.fallback!r})"
+        return (f"FlashInferBackend({sorted(self.kernels)}, fallback={self.fallback!r}, "
+                f"prefill={'ragged' if self.prefill is not None else 'fallback'})")

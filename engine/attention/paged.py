@@ -2,7 +2,9 @@
 in place through the page table, with work that follows each row's length
 (`torch.ops.kimi.mla_prefix_attention` / `draft_context_attention`: Triton on CUDA, their
 `ops.paged` torch twins elsewhere). `auto` takes them on CUDA where Triton imports; asked for
-on the CPU (`--attention triton`) they run as the twins."""
+on the CPU (`--attention triton`) they run as the twins. A prefill's MHA passes run
+`torch.ops.kimi.mha_prefill` (`ops.prefill_triton` on CUDA, `ops.prefill.mha_attention`
+elsewhere)."""
 
 from __future__ import annotations
 
@@ -13,6 +15,23 @@ from engine.attention.base import AttentionBackend, DraftContext, Setup
 from engine.models.dflash import PagedContext
 from ops.attention import PrefixKernel
 from ops.custom_ops import triton_available  # importing it registers the kimi:: ops
+from ops.prefill import MHAPass
+
+
+class KernelMHA(MHAPass):
+    """One MHA prefill pass as `torch.ops.kimi.mha_prefill`: the flash kernel on CUDA (and on
+    the meta device, which stands in for CUDA), the twin elsewhere."""
+
+    def score_bytes(self, device: torch.device) -> int:
+        return 0 if device.type in ("cuda", "meta") and triton_available() else 8
+
+    def __call__(self, q: Tensor, k_nope: Tensor, k_pe: Tensor, v: Tensor, scale: float,
+                 causal: bool, prev_o: Tensor | None = None, prev_lse: Tensor | None = None
+                 ) -> tuple[Tensor, Tensor]:
+        return torch.ops.kimi.mha_prefill(q, k_nope, k_pe, v, scale, causal, prev_o, prev_lse)
+
+
+KERNEL_MHA = KernelMHA()
 
 
 class PagedBackend(AttentionBackend):
@@ -41,3 +60,6 @@ class PagedBackend(AttentionBackend):
                       page_size: int, slots: Tensor | None) -> DraftContext:
         return PagedContext(cache, page_table, ctx_len, page_size,
                             torch.ops.kimi.draft_context_attention), None
+
+    def prefill_pass(self) -> MHAPass:
+        return KERNEL_MHA

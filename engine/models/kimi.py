@@ -5,7 +5,10 @@ lists them, with the shapes the checkpoint must have), and each layer is built w
 share of the heads and intermediate dimensions (`tp`), so a rank loads only its pieces. Two
 attention forms:
 
-- `forward`: the naive form (keys and values expanded per head), causal (prefill, training);
+- `forward`: the MHA form (keys and values up-projected per head by `kv_b_proj`), causal, over
+  the tokens and, for a later prefill chunk, its cached prefix (up-projected a bounded chunk at
+  a time: `ops.prefill.mla_prefill`), through the attention backend's MHA pass (prefill,
+  training);
 - `verify`: the absorbed form over the latent cache (`kv_lora_rank + qk_rope_head_dim` values per
   token per layer), for any number of query tokens with an explicit visibility mask among them:
   decode is one query, the tree verify is `N` queries under the ancestor mask.
@@ -43,17 +46,37 @@ from engine.models.layers import (
     linear,
 )
 from engine.weights import load_checkpoint
-from ops.attention import PrefixKernel, absorbed_attention, joint_bias, mla_naive
+from ops.attention import PrefixKernel, absorbed_attention, joint_bias
 from ops.moe import route_noaux_tc
+from ops.prefill import TORCH_MHA, MHAPass, Prefix, mla_prefill
 from ops.rope import apply_rope_interleaved, rope_cos_sin, rope_frequencies
 
 # (attention module, normed hidden states, layer index) -> (attention output, extra)
 Attend = Callable[[Any, Tensor, int], tuple[Tensor, Any]]
 
 
+# Whether this torch multiplies 16-bit matrices into fp32 (`aten::mm.dtype`, CUDA only).
+MM_FP32_OUT = "dtype" in torch.ops.aten.mm.overloads()
+
+
+def router_logits(x: Tensor, weight: Tensor) -> Tensor:
+    """`x [T, H]` times the router's `weight [E, H]` -> fp32 logits `[T, E]`. An fp32 weight:
+    in fp32, as transformers computes them. A 16-bit one (`Router.narrow_`: the checkpoint's
+    values exactly) multiplies the 16-bit inputs into fp32 on the tensor cores, which forms the
+    products transformers' fp32 matmul of the same values forms and sums them in fp32, in
+    another order (on the CPU, which has no such kernel, the same in fp32)."""
+    if weight.dtype == torch.float32:
+        return F.linear(x.float(), weight)
+    x = x.to(weight.dtype)
+    if x.device.type == "cpu":
+        return F.linear(x.float(), weight.float())
+    return torch.mm(x, weight.t(), out_dtype=torch.float32)
+
+
 class Router(nn.Module):
     # Scores in fp32 (as transformers does): its weight stays fp32 whatever the model dtype
-    # (`cast_parameters`), so no step casts it.
+    # (`cast_parameters`), so no step casts it; off the CPU a 16-bit model narrows it back to
+    # the checkpoint's 16-bit values once loaded (`narrow_`), so no fp32 matmul runs.
     keep_fp32 = True
 
     def __init__(self, cfg: ModelConfig):
@@ -63,10 +86,24 @@ class Router(nn.Module):
         # NOTE: the correction bias only selects experts; it stays fp32 whatever the model dtype.
         self.register_buffer("e_score_correction_bias", torch.zeros(cfg.n_routed_experts))
 
+    def narrow_(self, dtype: torch.dtype) -> bool:
+        """Keep the weight in the 16-bit `dtype` if it holds exactly that dtype's values (a
+        checkpoint that stores its router in bf16, as Kimi's does), so `router_logits` runs
+        16-bit inputs into fp32; returns whether it did. Reads the weight on the host: once,
+        at load."""
+        w = self.weight.data
+        if dtype not in (torch.bfloat16, torch.float16) or w.dtype != torch.float32:
+            return False
+        narrow = w.to(dtype)
+        if not torch.equal(narrow.float(), w):
+            return False
+        self.weight = nn.Parameter(narrow, requires_grad=False)
+        return True
+
     def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
         """`x [T, H]` -> chosen experts and their weights, both `[T, k]`."""
         c = self.cfg
-        logits = F.linear(x.float(), self.weight)
+        logits = router_logits(x, self.weight)
         return route_noaux_tc(logits, self.e_score_correction_bias, c.num_experts_per_tok,
                               c.n_group, c.topk_group, c.norm_topk_prob, c.routed_scaling_factor)
 
@@ -142,18 +179,18 @@ class MLA(nn.Module):
         kpe = apply_rope_interleaved(kv[..., None, c.kv_lora_rank:], cos, sin)[..., 0, :]
         return q, torch.cat([ckv, kpe], dim=-1)
 
-    def forward_naive(self, x: Tensor, cos: Tensor, sin: Tensor, causal: Tensor | bool = True
-                      ) -> tuple[Tensor, Tensor]:
-        """Causal attention over `x [B, T, H]` (`causal`: as `mla_naive` takes it); also
-        returns the cache rows `[B, T, R + P]`."""
+    def forward_mha(self, x: Tensor, cos: Tensor, sin: Tensor, attend: MHAPass = TORCH_MHA,
+                    prefix: Prefix | None = None) -> tuple[Tensor, Tensor]:
+        """Causal attention over `x [B, T, H]` in the MHA form, after `prefix` (this layer's
+        cached rows of the positions before `x`'s, up-projected in chunks) when given, each
+        key set through the pass `attend`; also returns `x`'s cache rows `[B, T, R + P]`."""
         c = self.cfg
+        dn, R = c.qk_nope_head_dim, c.kv_lora_rank
         q, row = self.latents(x, cos, sin)
-        kvb = self.kv_b_proj(row[..., :c.kv_lora_rank])
-        kvb = kvb.view(*x.shape[:-1], self.num_heads, c.qk_nope_head_dim + c.v_head_dim)
-        k_nope, v = kvb[..., :c.qk_nope_head_dim], kvb[..., c.qk_nope_head_dim:]
-        o = mla_naive(q[..., :c.qk_nope_head_dim], q[..., c.qk_nope_head_dim:], k_nope,
-                      row[..., c.kv_lora_rank:], v, self.scale, causal)
-        return self.o_proj(o.reshape(*x.shape[:-1], -1)), row
+        kvb = self.kv_b_proj(row[..., :R]).view(*x.shape[:-1], self.num_heads, dn + c.v_head_dim)
+        o = mla_prefill(q, kvb[..., :dn], row[..., R:], kvb[..., dn:], self.scale, attend, prefix,
+                        self.kv_b_proj)
+        return self.o_proj(o.to(x.dtype).reshape(*x.shape[:-1], -1)), row
 
     def _absorb_weights(self) -> tuple[Tensor, Tensor]:
         c = self.cfg
@@ -262,6 +299,10 @@ class KimiForCausalLM(nn.Module):
         cast_parameters(model, dtype)
         load_checkpoint(path, model.checkpoint_tensors(), prefix=cfg.weight_prefix,
                         quant=cfg.quantization, progress=progress)
+        if torch.device(device).type not in ("cpu", "meta") and MM_FP32_OUT:
+            for m in model.modules():
+                if isinstance(m, Router):
+                    m.narrow_(dtype)
         model._init_rope()
         return model.eval().requires_grad_(False)
 
@@ -301,38 +342,54 @@ class KimiForCausalLM(nn.Module):
     def forward(
         self, input_ids: Tensor, aux_layers: Sequence[int] = (), moe: str = "dense",
         logits_rows: Tensor | None = None, cache_rows_out: list[Tensor] | None = None,
+        attention: MHAPass = TORCH_MHA, kv_cache: Tensor | None = None,
+        prefix_slots: Tensor | None = None, logits: str = "all",
         embeds: tuple[Tensor, Tensor] | None = None,
-    ) -> tuple[Tensor, Tensor | None]:
-        """Naive causal forward over `input_ids [B, T]` at positions `0..T-1`, no cache.
+    ) -> tuple[Tensor | None, Tensor | None]:
+        """Causal forward over `input_ids [B, T]` in the MHA form: at positions `0..T-1`, or
+        after a cached prefix of `L` positions: `prefix_slots [B, L]` (the flat slots of
+        positions `0..L-1` in `kv_cache [layers, num_slots, R + P]`), the tokens then at
+        `L..L+T-1`.
 
         Returns logits `[B, T, V]` (or only at `logits_rows [B, R]` when given) and the
         concatenated outputs of decoder layers `aux_layers` `[B, T, n * H]` (None if empty).
         When `cache_rows_out` is a list, each layer's latent cache rows `[B, T, R + P]` are
         appended to it (the prefill stores them in the paged cache). `moe`: how the expert
-        banks dispatch (`ExpertBank.forward`'s mode), as the caller chose it. `embeds`: rows
-        that replace the token embeddings (`embed`).
+        banks dispatch (`ExpertBank.forward`'s mode), as the caller chose it. `attention`: the
+        MHA pass each key set goes through (the attention backend's `prefill_pass`; by default
+        the torch twin). `logits`: "all" (as above), "last" (each row's last position's,
+        `[B, 1, V]`), "none" (every layer runs, for `cache_rows_out`) or "features" (none, and
+        it stops after the last aux layer: the features alone). `embeds`: rows that replace the
+        token embeddings (`embed`).
         """
+        if logits not in ("all", "last", "none", "features"):
+            raise ValueError(f"logits must be all, last, none or features, got {logits!r}")
         B, T = input_ids.shape
-        pos = torch.arange(T, device=input_ids.device).expand(B, T)
+        start = 0 if prefix_slots is None else prefix_slots.shape[1]
+        pos = (start + torch.arange(T, device=input_ids.device)).expand(B, T)
         cos, sin = self._rope(pos)
-        # NOTE: one mask for every layer: two launches, not two a layer
-        causal = torch.ones(T, T, dtype=torch.bool, device=input_ids.device).tril()
 
         def attend(attn: MLA, x: Tensor, i: int) -> tuple[Tensor, Tensor]:
-            return attn.forward_naive(x, cos, sin, causal)
+            prefix = None if start == 0 or kv_cache is None else Prefix(kv_cache[i], prefix_slots)
+            return attn.forward_mha(x, cos, sin, attention, prefix)
 
         h = self.embed(input_ids, embeds)
         aux = []
-        for i, layer in enumerate(self.model.layers):
+        last = max(aux_layers) + 1 if logits == "features" else len(self.model.layers)
+        for i, layer in enumerate(self.model.layers[:last]):
             h, rows = layer(h, attend, moe)
             if cache_rows_out is not None:
                 cache_rows_out.append(rows)
             if i in aux_layers:
                 aux.append(h)
-        if logits_rows is not None:
-            h = h.gather(1, logits_rows[..., None].expand(-1, -1, h.shape[-1]))
-        logits = self.lm_head(self.model.norm(h)).float()
-        return logits, (torch.cat(aux, dim=-1) if aux else None)
+        out = None
+        if logits in ("all", "last"):
+            if logits == "last":
+                h = h[:, -1:]
+            elif logits_rows is not None:
+                h = h.gather(1, logits_rows[..., None].expand(-1, -1, h.shape[-1]))
+            out = self.lm_head(self.model.norm(h)).float()
+        return out, (torch.cat(aux, dim=-1) if aux else None)
 
     def verify(
         self, tokens: Tensor, positions: Tensor, kv_cache: Tensor, slots: Tensor | None,
