@@ -761,7 +761,8 @@ def add_cli_args(ap: argparse.ArgumentParser, cls: type, exclude: tuple[str, ...
         if f.annotation is bool:  # --x / --no-x when on by default (vLLM's spelling)
             on = f.default is True
             ap.add_argument(flag, action=argparse.BooleanOptionalAction if on else "store_true",
-                            default=f.default, help=f.description + (" (default: on)" if on else ""))
+                            default=f.default,
+                            help=f.description + (" (default: on)" if on else ""))
             continue
         typ, kw = _flag_type(f.annotation)
         default = f.default
