@@ -13,8 +13,8 @@ both. Per turn: time to first token (the first streamed chunk), prompt tokens, c
 (`usage.prompt_tokens_details.cached_tokens`) and prefilled tokens; the server's own hit rate
 (Prometheus: hits / queries) must agree with the clients'. Every answer is checked equal between
 the two servers (greedy). Then three checks:
-- control: sessions whose every prompt is new (0% hits), both servers, generated tokens/s: the
-  cache's overhead;
+- control: rounds of `--sessions` new prompts at once (0% hits), on one server then the other,
+  generated tokens/s: the cache's overhead (the median of the rounds' ratios);
 - cold against warm: a ~1,500-token prompt sent new, then again, on the cached server (TTFT);
 - pressure: a server with `--kv-pages 300` takes 12 distinct ~1,400-token prompts, 4 at a time,
   each twice; every answer must equal the uncached server's.
@@ -56,8 +56,8 @@ def source_text(n_chars: int, seed: int) -> str:
     return text[start:start + n_chars]
 
 
-def system_prompt(tokens: int, salt: str = "") -> str:
-    return (salt + "You are a coding agent working in a Python repository. Use the tools; "
+def system_prompt(tokens: int) -> str:
+    return ("You are a coding agent working in a Python repository. Use the tools; "
             "answer with short code. Repository notes:\n" + source_text(tokens * 3, 0))
 
 
@@ -86,18 +86,15 @@ def ask(url: str, body: dict[str, Any]) -> dict[str, Any]:
             "completion": usage["completion_tokens"]}
 
 
-def session_turns(servers: dict[str, Server], session: int, a: argparse.Namespace,
-                  unique: bool = False) -> list[dict[str, dict[str, Any]]]:
+def session_turns(servers: dict[str, Server], session: int, a: argparse.Namespace
+                  ) -> list[dict[str, dict[str, Any]]]:
     """One agent session on both servers, turn by turn (the first server alternating)."""
-    salt = f"[run {random.random()}] " if unique else ""
-    msgs = [{"role": "system", "content": system_prompt(a.system_tokens, salt)},
+    msgs = [{"role": "system", "content": system_prompt(a.system_tokens)},
             {"role": "user", "content": f"Session {session}: find why the scheduler test fails."}]
     out = []
     for turn in range(a.turns):
         body = {"messages": msgs, "tools": TOOLS, "max_tokens": a.max_tokens,
                 "temperature": 0, "ignore_eos": True}
-        if unique:  # 0% hits: every prompt is new to both servers
-            body["messages"] = [{"role": "system", "content": f"[{random.random()}] "}] + msgs
         names = list(servers) if (session + turn) % 2 == 0 else list(servers)[::-1]
         got = {n: ask(servers[n].url, body) for n in names}
         assert got["cached"]["text"] == got["uncached"]["text"], (session, turn)
@@ -108,12 +105,11 @@ def session_turns(servers: dict[str, Server], session: int, a: argparse.Namespac
     return out
 
 
-def run_sessions(servers: dict[str, Server], a: argparse.Namespace, unique: bool = False
+def run_sessions(servers: dict[str, Server], a: argparse.Namespace
                  ) -> tuple[list[list[dict[str, Any]]], float]:
     t0 = time.perf_counter()
     with ThreadPoolExecutor(a.sessions) as pool:
-        results = list(pool.map(lambda s: session_turns(servers, s, a, unique),
-                                range(a.sessions)))
+        results = list(pool.map(lambda s: session_turns(servers, s, a), range(a.sessions)))
     return results, time.perf_counter() - t0
 
 
@@ -133,9 +129,26 @@ def per_turn(results: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
     return rows
 
 
-def tokens_per_s(results: list[list[dict[str, Any]]], name: str) -> float:
-    cells = [t[name] for s in results for t in s]
-    return sum(c["completion"] for c in cells) / sum(c["seconds"] for c in cells)
+def control(servers: dict[str, Server], a: argparse.Namespace) -> list[float]:
+    """0% hits: each round sends `--sessions` new prompts (a random head, then a session's
+    first turn) at once to one server, then to the other (which first alternating), and
+    compares their generated tokens/s; returns the per-round ratios cached / uncached."""
+    ratios = []
+    for r in range(a.rounds):
+        rate = {}
+        for name in (list(servers) if r % 2 == 0 else list(servers)[::-1]):
+            bodies = [{"messages": [
+                {"role": "system", "content": f"[{random.random()}] " + system_prompt(
+                    a.system_tokens)}, {"role": "user", "content": source_text(300, r * 10 + i)}],
+                "tools": TOOLS, "max_tokens": a.max_tokens, "temperature": 0, "ignore_eos": True}
+                for i in range(a.sessions)]
+            t0 = time.perf_counter()
+            with ThreadPoolExecutor(len(bodies)) as pool:
+                got = list(pool.map(lambda b, n=name: ask(servers[n].url, b), bodies))
+            assert all(g["cached"] == 0 for g in got)  # nothing to hit
+            rate[name] = sum(g["completion"] for g in got) / (time.perf_counter() - t0)
+        ratios.append(rate["cached"] / rate["uncached"])
+    return ratios
 
 
 def pressure(a: argparse.Namespace, log_dir: Path, reference: Server) -> dict[str, Any]:
@@ -169,6 +182,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--system-tokens", type=int, default=1200)
     ap.add_argument("--result-chars", type=int, default=900, help="a tool result's characters")
     ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--rounds", type=int, default=6, help="rounds of the 0%%-hit control")
     ap.add_argument("--server-args", default="", help="flags for both servers")
     ap.add_argument("--out", default="runs/bench")
     ap.add_argument("--report", action="store_true")
@@ -189,8 +203,8 @@ def main(argv: list[str] | None = None) -> None:
         h = m1["kimi_prefix_cache_hits_total"] - m0.get("kimi_prefix_cache_hits_total", 0)
         client_rate = (sum(t["cached"]["cached"] for s in results for t in s)
                        / sum(t["cached"]["prompt"] for s in results for t in s))
-        control, _ = run_sessions(servers, a, unique=True)
-        overhead = tokens_per_s(control, "cached") / tokens_per_s(control, "uncached")
+        ratios = control(servers, a)
+        overhead = statistics.median(ratios)
         long = [{"role": "system", "content": source_text(4500, 999)},
                 {"role": "user", "content": "what does this do?"}]
         cold = ask(servers["cached"].url, {"messages": long, "max_tokens": 4})
@@ -213,8 +227,9 @@ def main(argv: list[str] | None = None) -> None:
             f"time to first token from turn 2, cache / no cache: "
             f"{statistics.median(r['ttft_ratio'] for r in rows[1:]):.2f}x (median of turns); "
             f"sessions' wall time {wall:.1f} s",
-            f"control, every prompt new (0% hits): generated tokens/s with the cache "
-            f"{overhead:.3f}x without it",
+            f"control, every prompt new (0% hits), {a.sessions} at once, {a.rounds} rounds: "
+            f"generated tokens/s with the cache {overhead:.3f}x without it (median of the "
+            f"rounds' ratios; each: {', '.join(f'{x:.3f}' for x in ratios)})",
             f"a {cold['prompt']}-token prompt on the cached server: TTFT cold {cold['ttft']:.3f} "
             f"s, again {warm['ttft']:.3f} s ({warm['cached']} tokens cached): "
             f"{warm['ttft'] / cold['ttft']:.2f}x",
@@ -225,6 +240,7 @@ def main(argv: list[str] | None = None) -> None:
     print("\n".join(text))
     payload = {"args": vars(a), "turns": rows, "client_hit_rate": client_rate,
                "server_hit_rate": h / q, "control_tokens_per_s_ratio": overhead,
+               "control_round_ratios": ratios,
                "cold_ttft": cold, "warm_ttft": warm, "pressure": press}
 
     def plot(fig: Any) -> None:
