@@ -29,7 +29,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 
 PREPROCESSOR_FILE = "preprocessor_config.json"
 # A decoded image larger than this many pixels is refused before its pixels are read (a 16 MiB
@@ -125,14 +124,22 @@ def resize_plan(width: int, height: int, cfg: MediaConfig = MediaConfig()) -> Re
 
 @dataclass(frozen=True)
 class Image:
-    """One preprocessed image: `pixel_values [L, 3, p, p]` (fp32) for a `grid` of
+    """One preprocessed image: `pixels [L, 3, p, p]` (fp32, numpy) for a `grid` of
     `(rows, columns)` patches, `tokens` language-model tokens, and `digest`, a hash of the
-    preprocessed pixels and grid (the prefix cache's key for the image's content)."""
+    preprocessed pixels and grid (the prefix cache's key for the image's content).
+    NOTE: numpy, so the server's HTTP process, which preprocesses images, never loads torch."""
 
-    pixel_values: torch.Tensor
+    pixels: np.ndarray
     grid: tuple[int, int]
     tokens: int
     digest: str
+
+    @property
+    def pixel_values(self) -> Any:
+        """`pixels` as a torch tensor (sharing its memory), for the vision tower."""
+        import torch
+
+        return torch.from_numpy(self.pixels)
 
 
 def decode_image(data: bytes, what: str = "image") -> Any:
@@ -214,7 +221,7 @@ def preprocess(img: Any, cfg: MediaConfig = MediaConfig()) -> Image:
     gh, gw = plan.grid
     patches = x.reshape(gh, p, gw, p, 3).transpose(0, 2, 4, 1, 3).reshape(gh * gw, 3, p, p)
     digest = hashlib.sha256(arr.tobytes() + f"{gh}x{gw}".encode()).hexdigest()
-    return Image(torch.from_numpy(np.ascontiguousarray(patches)), (gh, gw), plan.tokens, digest)
+    return Image(np.ascontiguousarray(patches), (gh, gw), plan.tokens, digest)
 
 
 def load_image(data: bytes, cfg: MediaConfig = MediaConfig(), what: str = "image") -> Image:

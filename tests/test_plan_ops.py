@@ -36,8 +36,8 @@ def mini_cost() -> dict:
 
 def test_every_op_costs_at_least_its_flops_at_its_units_peak_and_its_bytes(mini_cost):
     pre = mini_cost["prefill_rows"]
-    # the prompt, the turn's prompt cold, and as a turn over its cached prefix
-    assert [r["prompt_len"] for r in pre] == [300, 256, 256] and pre[2]["cached"] == 192
+    # the prompts cold (the turn's among them, by length), then the turn over its cached prefix
+    assert [r["prompt_len"] for r in pre] == [256, 300, 256] and pre[2]["cached"] == 192
     for r in pre + mini_cost["rows"]:
         assert r["ops"] and {"name", "dtype", "flops", "bytes", "seconds"} <= set(r["ops"][0])
         for g in ("H200", "H100"):

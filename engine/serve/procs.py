@@ -73,6 +73,9 @@ class Ready:
     name: str
     limits: Limits
     snapshot: dict[str, int]
+    # The id an image's tokens expand from, when the model takes images (None: text only).
+    # NOTE: from the engine's loaded model, so the frontend never imports the tower (torch).
+    image_pad: int | None = None
 
 
 def frontend(cfg: ServeConfig, model_dir: Path, commands: Connection, reports: Connection
@@ -90,7 +93,6 @@ def frontend(cfg: ServeConfig, model_dir: Path, commands: Connection, reports: C
 
     from engine.grammar import Grammars
     from engine.media import MediaConfig
-    from engine.models.vision import VisionConfig, has_vision_weights
     from engine.serve.app import build_app, uvicorn_options
     from engine.serve.worker import Engine, ModelInfo, Remote
     from engine.tokenizer import Tokenizer
@@ -103,10 +105,8 @@ def frontend(cfg: ServeConfig, model_dir: Path, commands: Connection, reports: C
     if not isinstance(ready, Ready):  # the core could not start (it says why)
         return
     lim = ready.limits
-    vision = VisionConfig.from_dir(model_dir) if has_vision_weights(model_dir) else None
     model = ModelInfo(tok, lim.max_model_len, lim.vocab_size,
-                      Grammars(tok, lim.vocab_size) if tok else None,
-                      vision.placeholder_id if vision is not None else None,
+                      Grammars(tok, lim.vocab_size) if tok else None, ready.image_pad,
                       MediaConfig.from_dir(model_dir))
     engine = Engine(link=Remote(commands, reports, lim, ready.snapshot))
     app = build_app(None, ready.name, cfg.max_queue, config=cfg, model=model, engine=engine)
@@ -146,7 +146,7 @@ def serve(engine_cfg: EngineConfig, cfg: ServeConfig, threads: int) -> None:
 
     from engine.dist import PeerLost
     from engine.llm import LLM, compile_auto, model_pair
-    from engine.serve.worker import Core, unwire
+    from engine.serve.worker import Core, ModelInfo, unwire
 
     ctx = mp.get_context("spawn")
     cmd_out, cmd_in = ctx.Pipe(duplex=False)  # (receiving end, sending end)
@@ -198,7 +198,8 @@ def serve(engine_cfg: EngineConfig, cfg: ServeConfig, threads: int) -> None:
                 return
 
     name = cfg.served_model_name or llm.model_dir.resolve().name
-    rep_in.send(Ready(name, llm.scheduler.limits, core.snapshot))
+    rep_in.send(Ready(name, llm.scheduler.limits, core.snapshot,
+                      ModelInfo.of(llm).image_pad))
     threading.Thread(target=commands, name="engine-commands", daemon=True).start()
     try:
         core.run()
