@@ -250,12 +250,19 @@ class Scheduler:
             req.pages += self.cache.alloc_pages(extra)
 
     def _hit(self, req: Request, ctx: list[int]) -> list[int]:
-        """The cached pages a waiting request's context `ctx` starts with: a fresh request's
-        last prompt token is always computed again (its logits give the first token); a
-        recomputed one samples nothing, so all of its context may hit."""
-        limit = len(ctx) - 1 if not req.output_ids else len(ctx)
-        return self.cache.match(ctx, req.params.cache_salt, limit,
+        """The cached pages a waiting request's context `ctx` starts with (`_hittable` at
+        most)."""
+        return self.cache.match(ctx, req.params.cache_salt,
+                                self._hittable(req, len(ctx)) * self.page_size,
                                 image_keys(req.images, self.page_size))
+
+    def _hittable(self, req: Request, ctx: int) -> int:
+        """The most pages of a context of `ctx` tokens a waiting request may hit (none without
+        the cache): a fresh request's last prompt token is always computed again (its logits
+        give the first token); a recomputed one samples nothing, so all of its context may."""
+        if not self.cache.enabled:
+            return 0
+        return (ctx - 1 if not req.output_ids else ctx) // self.page_size
 
     def _admit(self, req: Request, hit: list[int], ctx: int) -> None:
         """`req` holds the pages of its cached prefix `hit` and new ones for the rest of its
@@ -434,14 +441,14 @@ class Scheduler:
         longest = 0
         while left > 0 and self.waiting and self.admitted + len(admit) < self.max_batch_size:
             req = self.waiting[0]
-            if self.cache.enabled and any(
-                    r.prompt_ids == req.prompt_ids and r.params.cache_salt == req.params.cache_salt
-                    for r in (*self.prefilling, *admit)):
-                break  # NOTE: the same prompt is being prefilled (n choices): it hits next step
             seq_len = len(req.prompt_ids) + len(req.output_ids)
             ctx_ids = _context(req)
             ctx = len(ctx_ids)
             hit = self._hit(req, ctx_ids)
+            if len(hit) < self._hittable(req, ctx) and any(
+                    r.prompt_ids == req.prompt_ids and r.params.cache_salt == req.params.cache_salt
+                    for r in (*self.prefilling, *admit)):
+                break  # NOTE: the same prompt is being prefilled (n choices): it hits next step
             # room: free pages and evictable cached ones, less those of the hit (held, they
             # cannot be evicted)
             if (pages_needed(seq_len + self.step_span, self.page_size) - len(hit)
