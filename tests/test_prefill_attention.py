@@ -37,11 +37,11 @@ from ops.prefill import (  # noqa: E402
 )
 
 try:
-    import triton
-
     from ops import prefill_triton as pt
 except ImportError:  # triton is in the optional `gpu` extra
     pt = None
+
+from tests.test_paged_attention import _ptxas  # noqa: E402 - triton's bundled ptxas, or None
 
 needs_triton = pytest.mark.skipif(pt is None, reason="triton is not installed")
 FP32 = dict(rtol=1e-5, atol=2e-5)
@@ -220,16 +220,6 @@ def test_op_fake_shapes_and_flops():
 
 
 # ---- sm_90a -----------------------------------------------------------------------------------
-
-
-def _ptxas() -> str | None:
-    if pt is None:
-        return None
-    bindir = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
-    for name in ("ptxas-blackwell", "ptxas"):
-        if (bindir / name).is_file():
-            return str(bindir / name)
-    return None
 
 
 _COMPILE = """

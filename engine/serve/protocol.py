@@ -149,6 +149,13 @@ UNSUPPORTED = {
 }
 
 
+def only_when_streaming(v: Any, info: ValidationInfo) -> Any:
+    """A body's `stream_options` validator: allowed only beside `stream: true`."""
+    if v is not None and not info.data.get("stream"):
+        raise ValueError("stream_options is only allowed when stream is true")
+    return v
+
+
 class _Strict(BaseModel):
     # NOTE: strict, so "5" is not silently a max_tokens of 5 and true is not a temperature.
     model_config = ConfigDict(extra="forbid", strict=True)
@@ -219,9 +226,7 @@ class _Request(_Strict):
     @field_validator("stream_options")
     @classmethod
     def _only_when_streaming(cls, v: Any, info: ValidationInfo) -> Any:
-        if v is not None and not info.data.get("stream"):
-            raise ValueError("stream_options is only allowed when stream is true")
-        return v
+        return only_when_streaming(v, info)
 
     @property
     def include_usage(self) -> bool:

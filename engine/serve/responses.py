@@ -285,9 +285,7 @@ class ResponsesRequest(api._Strict):
     @field_validator("stream_options")
     @classmethod
     def _only_when_streaming(cls, v: Any, info: Any) -> Any:
-        if v is not None and not info.data.get("stream"):
-            raise ValueError("stream_options is only allowed when stream is true")
-        return v
+        return api.only_when_streaming(v, info)
 
     def items(self) -> list[Any]:
         """The input as items."""
