@@ -169,9 +169,13 @@ class PrefixCache:
              extra: PageExtra | None = None) -> list[tuple[Any, ...]]:
         """The keys of whole pages `first .. n - 1` of `tokens`: each page's tokens, then its
         `extra(i)` when given (`image_keys`)."""
+        return [self.key(tokens, i, extra) for i in range(first, n)]
+
+    def key(self, tokens: Sequence[int], i: int, extra: PageExtra | None = None
+            ) -> tuple[Any, ...]:
+        """Page `i`'s key (`keys`)."""
         s = self.page_size
-        return [tuple(tokens[i * s:(i + 1) * s]) + (extra(i) if extra else ())
-                for i in range(first, n)]
+        return tuple(tokens[i * s:(i + 1) * s]) + (extra(i) if extra else ())
 
     def match(self, tokens: Sequence[int], salt: str | None, limit: int,
               extra: PageExtra | None = None) -> list[int]:
@@ -182,10 +186,8 @@ class PrefixCache:
         pages: list[int] = []
         if node is None:
             return pages
-        s = self.page_size
-        for i in range(min(limit, len(tokens)) // s):
-            node = node.children.get(tuple(tokens[i * s:(i + 1) * s])
-                                     + (extra(i) if extra else ()))
+        for i in range(min(limit, len(tokens)) // self.page_size):
+            node = node.children.get(self.key(tokens, i, extra))
             if node is None:
                 break
             pages.append(node.page)
