@@ -41,6 +41,10 @@ unless a tree wins by `engine.policy.MARGIN`), from its roofline step time and t
 a step emits at that budget (`--accept-lens`, `--sampled-accept-lens`: measured elsewhere, say
 by `bench.spec` or `graphs.profile --tune` on a smaller pair). Written to
 `configs/budgets-cuda.toml`, the CUDA default, unless `--policy-out` says where.
+
+Kimi's 60 MoE layers are one layer 60 times: the costs and the rehearsal run the first and the
+last one or two of such a run and extrapolate, with the same counts and peaks as running every
+layer (`graphs.repeat`; `--every-layer` runs them all).
 """
 
 from __future__ import annotations
@@ -54,6 +58,7 @@ from collections import defaultdict
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -95,6 +100,7 @@ from graphs.rehearse import (
     rehearse_step,
     step_kinds,
 )
+from graphs.repeat import extrapolated
 from ops.moe import expert_block, moe_bytes, moe_flops
 from ops.paged_grid import launch_shape, programs_with_work
 from ops.quant import fp8_linear_bytes
@@ -192,8 +198,26 @@ def build(model: Path, draft: Path | None, tp: int, dtype: torch.dtype
     return Models(target, drafter, tp=group, attention=PagedBackend()), group
 
 
+# target -> (its drafter's id, their `weight_bytes`)
+# The rehearsal answers an op it has seen from a cache of its shapes (`graphs.rehearse`), so a
+# layer costs it little beside the scheduler, the drafter and the sampling: it samples only
+# groups of repeated layers at least this long (`graphs.repeat.extrapolated`), as Kimi's 60.
+REHEARSE_SAMPLED = 24
+
+_WEIGHTS: weakref.WeakKeyDictionary[torch.nn.Module, tuple[int, dict[str, int]]] = \
+    weakref.WeakKeyDictionary()
+
+
 def weight_bytes(models: Models) -> dict[str, int]:
-    """This rank's weight bytes by how they are stored."""
+    """This rank's weight bytes by how they are stored (counted once a pair)."""
+    drafter, got = _WEIGHTS.get(models.target, (None, None))
+    if got is None or drafter != id(models.drafter):
+        got = _weight_bytes(models)
+        _WEIGHTS[models.target] = (id(models.drafter), got)
+    return dict(got)
+
+
+def _weight_bytes(models: Models) -> dict[str, int]:
     out: dict[str, int] = defaultdict(int)
     for name, m in (("target", models.target), ("drafter", models.drafter)):
         if m is None:
@@ -415,17 +439,23 @@ def step_inputs(models: Models, shape: StepShape, bs: int, max_pages: int, page_
 
 
 def run_step(models: Models, shape: StepShape, bs: int, max_pages: int, page_size: int,
-             dtype: torch.dtype, context: int) -> dict[str, Any]:
-    """One step on the meta device: its FLOPs, bytes, all-reduce bytes and peak activations."""
+             dtype: torch.dtype, context: int, every_layer: bool = False) -> dict[str, Any]:
+    """One step on the meta device: its FLOPs, bytes, all-reduce bytes and peak activations
+    (the target's repeated layers costed from two of them unless `every_layer`:
+    `graphs.repeat`)."""
     pool, buf = step_inputs(models, shape, bs, max_pages, page_size, dtype)
-    if models.tp is not None:
-        models.tp.comm.reset()
-    flops = FlopCounterMode(display=False)
-    cost, peak = CostMode(context, flops), PeakMode()
-    with no_drafter(models, models.target.cfg.vocab_size), flops, cost, peak:
-        spec_step(models, pool, buf, shape)
-    return {**_counts(models, flops, cost), "peak_activation_bytes": peak.peak,
-            "attention_programs": dict(cost.programs)}
+
+    def run() -> dict[str, Any]:
+        if models.tp is not None:
+            models.tp.comm.reset()
+        flops = FlopCounterMode(display=False)
+        cost, peak = CostMode(context, flops), PeakMode()
+        with no_drafter(models, models.target.cfg.vocab_size), flops, cost, peak:
+            spec_step(models, pool, buf, shape)
+        return {**_counts(models, flops, cost), "peak_activation_bytes": peak.peak,
+                "attention_programs": dict(cost.programs)}
+
+    return extrapolated(models.target.model.layers, run, every_layer)
 
 
 def _counts(models: Models, flops: FlopCounterMode, cost: CostMode) -> dict[str, Any]:
@@ -475,13 +505,16 @@ def prefill_costs(a: argparse.Namespace, models: Models, dtype: torch.dtype, gpu
     pages = list(range(1, pool.num_pages))
 
     def chunk(start: int, n: int = c) -> dict[str, Any]:
-        if models.tp is not None:
-            models.tp.comm.reset()
-        flops = FlopCounterMode(display=False)
-        cost = CostMode(start, flops)
-        with flops, cost:
-            prefill_chunk(models, pool, pages, start, n)
-        return _counts(models, flops, cost)
+        def run() -> dict[str, Any]:
+            if models.tp is not None:
+                models.tp.comm.reset()
+            flops = FlopCounterMode(display=False)
+            cost = CostMode(start, flops)
+            with flops, cost:
+                prefill_chunk(models, pool, pages, start, n)
+            return _counts(models, flops, cost)
+
+        return extrapolated(models.target.model.layers, run, a.every_layer)
 
     firsts = {n: chunk(0, n) for n in sorted({min(n, c) for n in lens})}
     one, two = (chunk(c), chunk(2 * c)) if max(lens) > c else ({}, {})
@@ -615,7 +648,7 @@ def shape_cost(a: argparse.Namespace, models: Models, shape: StepShape, bs: int,
     """`run_step` of `shape` at `bs` rows with page tables for `--max-model-len` tokens."""
     max_len = a.max_model_len or models.target.cfg.max_position_embeddings
     max_pages = pages_needed(max_len + shape.max_emit, a.page_size)
-    return run_step(models, shape, bs, max_pages, a.page_size, dtype, a.context)
+    return run_step(models, shape, bs, max_pages, a.page_size, dtype, a.context, a.every_layer)
 
 
 def op_seconds(op: dict[str, Any], gpu: GPU) -> float:
@@ -708,6 +741,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--dtype", choices=("bfloat16", "float16"), default="bfloat16")
     ap.add_argument("--json", type=Path, help="write the results here")
     ap.add_argument("--cost", action="store_true", help="the step cost table")
+    ap.add_argument("--every-layer", action="store_true",
+                    help="cost every layer (default: a run of identical layers from two of "
+                         "them, which gives the same counts: graphs.repeat)")
     ap.add_argument("--batch-sizes", type=int_list(1), default=[1, 8, 32],
                     help="for --cost and --rehearse")
     ap.add_argument("--rehearse", action="store_true",
@@ -824,10 +860,13 @@ def memory(a: argparse.Namespace, models: Models, group: CountingGroup | None,
     runner = engine_runner(models, z, pages, dtype)
     bs = max(runner.capture_sizes)
     mode = DeviceMode(group)
-    steps = {name: rehearse_step(mode, runner, bs, s).activation_bytes
+    layers = models.target.model.layers
+    steps = {name: extrapolated(layers, partial(rehearse_step, mode, runner, bs, s),
+                                a.every_layer, REHEARSE_SAMPLED).activation_bytes
              for name, s in step_kinds(runner, bs)}
-    prefill = rehearse_prefill(mode, runner, prompt_len=prompt, chunk=z.chunk, num_pages=pages,
-                               max_model_len=z.max_len)[0].activation_bytes
+    prefill = extrapolated(layers, partial(
+        rehearse_prefill, mode, runner, prompt_len=prompt, chunk=z.chunk, num_pages=pages,
+        max_model_len=z.max_len), a.every_layer, REHEARSE_SAMPLED)[0].activation_bytes
     workspace = max(steps.values())
     fits = z.error is None
     room = gpu_memory - z.used - z.reserve.total  # at full memory (utilization 1)
@@ -899,8 +938,10 @@ def rehearsal(a: argparse.Namespace, models: Models, group: CountingGroup | None
         runner.max_pages)
     steps = [(bs, name, s, False) for bs in sizes for name, s in step_kinds(runner, bs)]
     steps += [(bs, name, s, True) for bs in sizes for name, s in late_kinds(runner, bs)]
-    phases = [{**_phase(f"step {name}", "step", bs, None, None,
-                        rehearse_step(mode, runner, bs, s)), "late": late}
+    layers = models.target.model.layers
+    phases = [{**_phase(f"step {name}", "step", bs, None, None, extrapolated(
+        layers, partial(rehearse_step, mode, runner, bs, s), a.every_layer, REHEARSE_SAMPLED)),
+        "late": late}
               for bs, name, s, late in tqdm(steps, desc="rehearsing steps")]
     # NOTE: one pool holds every graph, those captured while serving too (largest first at
     # start; a late one reuses the blocks the others leave free while it is captured)
@@ -914,9 +955,10 @@ def rehearsal(a: argparse.Namespace, models: Models, group: CountingGroup | None
             notes.append(f"--prompt-lens {want:,}: {n:,} tokens, the longest prompt the engine "
                          f"admits at --max-model-len {z.max_len:,}")
         try:
-            tally, chunks = rehearse_prefill(mode, runner, prompt_len=n, chunk=z.chunk,
-                                             num_pages=z.pool.num_pages,
-                                             max_model_len=z.max_len, progress=True)
+            tally, chunks = extrapolated(layers, partial(
+                rehearse_prefill, mode, runner, prompt_len=n, chunk=z.chunk,
+                num_pages=z.pool.num_pages,
+                max_model_len=z.max_len, progress=True), a.every_layer, REHEARSE_SAMPLED)
         except RequestRejected as e:
             rejected.append(f"a {n:,}-token prompt: {e}")
             continue
