@@ -94,6 +94,7 @@ from graphs.rehearse import (
     Tally,
     cuda_backend,
     engine_shapes,
+    frozen_heap,
     late_kinds,
     launches,
     rehearse_prefill,
@@ -861,12 +862,13 @@ def memory(a: argparse.Namespace, models: Models, group: CountingGroup | None,
     bs = max(runner.capture_sizes)
     mode = DeviceMode(group)
     layers = models.target.model.layers
-    steps = {name: extrapolated(layers, partial(rehearse_step, mode, runner, bs, s),
-                                a.every_layer, REHEARSE_SAMPLED).activation_bytes
-             for name, s in step_kinds(runner, bs)}
-    prefill = extrapolated(layers, partial(
-        rehearse_prefill, mode, runner, prompt_len=prompt, chunk=z.chunk, num_pages=pages,
-        max_model_len=z.max_len), a.every_layer, REHEARSE_SAMPLED)[0].activation_bytes
+    with frozen_heap():
+        steps = {name: extrapolated(layers, partial(rehearse_step, mode, runner, bs, s),
+                                    a.every_layer, REHEARSE_SAMPLED).activation_bytes
+                 for name, s in step_kinds(runner, bs)}
+        prefill = extrapolated(layers, partial(
+            rehearse_prefill, mode, runner, prompt_len=prompt, chunk=z.chunk, num_pages=pages,
+            max_model_len=z.max_len), a.every_layer, REHEARSE_SAMPLED)[0].activation_bytes
     workspace = max(steps.values())
     fits = z.error is None
     room = gpu_memory - z.used - z.reserve.total  # at full memory (utilization 1)
@@ -939,28 +941,33 @@ def rehearsal(a: argparse.Namespace, models: Models, group: CountingGroup | None
     steps = [(bs, name, s, False) for bs in sizes for name, s in step_kinds(runner, bs)]
     steps += [(bs, name, s, True) for bs in sizes for name, s in late_kinds(runner, bs)]
     layers = models.target.model.layers
-    phases = [{**_phase(f"step {name}", "step", bs, None, None, extrapolated(
-        layers, partial(rehearse_step, mode, runner, bs, s), a.every_layer, REHEARSE_SAMPLED)),
-        "late": late}
-              for bs, name, s, late in tqdm(steps, desc="rehearsing steps")]
+    with frozen_heap():
+        phases = [{**_phase(f"step {name}", "step", bs, None, None, extrapolated(
+            layers, partial(rehearse_step, mode, runner, bs, s), a.every_layer,
+            REHEARSE_SAMPLED)), "late": late}
+            for bs, name, s, late in tqdm(steps, desc="rehearsing steps")]
+        prefills = []
+        for want in a.prompt_lens:
+            n = min(want, z.max_len - 1)
+            try:
+                prefills.append((want, n, *extrapolated(layers, partial(
+                    rehearse_prefill, mode, runner, prompt_len=n, chunk=z.chunk,
+                    num_pages=z.pool.num_pages, max_model_len=z.max_len, progress=True),
+                    a.every_layer, REHEARSE_SAMPLED)))
+            except RequestRejected as e:
+                prefills.append((want, n, e, 0))
     # NOTE: one pool holds every graph, those captured while serving too (largest first at
     # start; a late one reuses the blocks the others leave free while it is captured)
     graphs = max(p["activation_bytes"] for p in phases)
     at_start = max(p["activation_bytes"] for p in phases if not p["late"])
     notes: list[str] = []
     rejected: list[str] = []  # prompts the scheduler refuses (the pool is too small for them)
-    for want in a.prompt_lens:
-        n = min(want, z.max_len - 1)
+    for want, n, tally, chunks in prefills:
         if n < want:
             notes.append(f"--prompt-lens {want:,}: {n:,} tokens, the longest prompt the engine "
                          f"admits at --max-model-len {z.max_len:,}")
-        try:
-            tally, chunks = extrapolated(layers, partial(
-                rehearse_prefill, mode, runner, prompt_len=n, chunk=z.chunk,
-                num_pages=z.pool.num_pages,
-                max_model_len=z.max_len, progress=True), a.every_layer, REHEARSE_SAMPLED)
-        except RequestRejected as e:
-            rejected.append(f"a {n:,}-token prompt: {e}")
+        if isinstance(tally, RequestRejected):
+            rejected.append(f"a {n:,}-token prompt: {tally}")
             continue
         phases.append(_phase(f"prefill {n}", "prefill", 1, n, chunks, tally))
     static = {"cuda_context": a.reserve, "weights": z.per_rank, "kv_pool": z.pool.pool_bytes,
