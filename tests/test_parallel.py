@@ -25,6 +25,7 @@ from engine.models.dflash import DFlashDrafter
 from engine.models.kimi import KimiForCausalLM
 from engine.models.layers import checkpoint_tensors, param_bytes
 from tests.spec_helpers import TARGETS, make_pair, oracle_draft
+from tests.test_chunked_prefill import PAGE, ids
 from tools.make_draft import make_draft
 from tools.make_tiny import make_tiny
 
@@ -108,13 +109,37 @@ def check_sharded_bytes(n: int, full: tuple[int, int], got: list[int]) -> None:
     assert total == rep + (full[0] - rep) // n, (full, got)
 
 
+# The bundled pair across 2 ranks, prompts prefilled whole or (tree runs) in chunks of 3 and 5
+# tokens (`test_tp_equals_single_process_bundled`).
+BUNDLED_RUNS = [
+    {"mode": "tree", "max_new_tokens": 16, "prefill_chunk": 3},
+    {"mode": "chain", "max_new_tokens": 16}, {"mode": "ar", "max_new_tokens": 16},
+    {"mode": "tree", "max_new_tokens": 16, "temperature": 0.8, "seed": 5, "prefill_chunk": 5}]
+# Each prompt twice, the second time over the prefix cache (`test_tp2_with_the_cache_equals_one_
+# process`).
+CACHE_PROMPTS = [ids(40, 40), ids(53, 41)]
+CACHE_RUNS = [{"mode": "tree", "max_new_tokens": 12, "repeat": 2},
+              {"mode": "tree", "max_new_tokens": 12, "temperature": 0.8, "seed": 5,
+               "repeat": 2, "prefill_chunk": 20}]
+
+
+@pytest.fixture(scope="module")
+def tp2(pair, tmp_path_factory) -> list[list[dict]]:
+    """One launch of two ranks for every 2-rank comparison: `RUNS` on `pair`, then
+    `BUNDLED_RUNS` and `CACHE_RUNS` on the bundled pair (each rank's results, in that order)."""
+    bundled = {"model": str(BUNDLED[0]), "draft": str(BUNDLED[1])}
+    runs = [*RUNS, *({**r, **bundled} for r in BUNDLED_RUNS),
+            *({**r, **bundled, "prompts": CACHE_PROMPTS} for r in CACHE_RUNS)]
+    return run_tp(2, *pair, runs, tmp_path_factory.mktemp("tp2"))
+
+
 @pytest.mark.parametrize("n", [2, 4])
-def test_tp_equals_single_process(pair, singles, tmp_path, n):
+def test_tp_equals_single_process(pair, singles, tp2, tmp_path, n):
     """Greedy tree / chain / ar and seeded sampling give the single-process tokens exactly, and
     each rank holds 1/n of every split tensor (the drafter splits at 2 and is replicated at 4,
     where its 2 KV heads do not divide)."""
     model, draft = pair
-    ranks = run_tp(n, model, draft, RUNS, tmp_path)
+    ranks = [r[:len(RUNS)] for r in tp2] if n == 2 else run_tp(n, model, draft, RUNS, tmp_path)
     for i, run in enumerate(RUNS):
         tokens, tbytes, dbytes = singles[i]
         assert ranks[0][i]["tokens"] == tokens, run
@@ -135,7 +160,7 @@ def test_tp_equals_single_process(pair, singles, tmp_path, n):
             # the oracle drafter makes steps accept several tokens, so multi-row commits and
             # drafter-feature handoffs run under TP too
             assert ranks[0][i]["mean_accept_len"] > 1.5
-    assert all(rank[-1]["default_group_left"] for rank in ranks)
+    assert all(rank[-1]["default_group_left"] for rank in (tp2 if n == 2 else ranks))
 
 
 def test_generate_cli_under_torchrun(tmp_path):
@@ -249,20 +274,34 @@ def test_serve_under_torchrun(pair, tmp_path):
             proc.wait()
 
 
-def test_tp_equals_single_process_bundled(tmp_path):
+def test_tp_equals_single_process_bundled(tp2):
     """The bundled pair across 2 ranks gives the single process's tokens, prompts prefilled
     whole or (tree runs) in chunks of 3 and 5 tokens against the unchunked single process."""
     model, draft = BUNDLED
-    runs = [{"mode": "tree", "max_new_tokens": 16, "prefill_chunk": 3},
-            {"mode": "chain", "max_new_tokens": 16}, {"mode": "ar", "max_new_tokens": 16},
-            {"mode": "tree", "max_new_tokens": 16, "temperature": 0.8, "seed": 5,
-             "prefill_chunk": 5}]
-    ranks = run_tp(2, model, draft, runs, tmp_path)
-    for i, run in enumerate(runs):
+    ranks = [r[len(RUNS):len(RUNS) + len(BUNDLED_RUNS)] for r in tp2]
+    for i, run in enumerate(BUNDLED_RUNS):
         tokens, tbytes, _ = single(model, draft, run)
         assert ranks[0][i]["tokens"] == tokens, run
         for rank in ranks:
             check_sharded_bytes(2, tbytes, rank[i]["target_bytes"])
+
+
+def test_tp2_with_the_cache_equals_one_process(tp2):
+    """Each prompt sent again hits the prefix cache under TP (its whole pages but the last
+    token's) and gives the single process's cold tokens, greedy and seeded, prefilled whole or
+    in chunks."""
+    from tests.test_prefix_cache_model import cold, run
+
+    ranks = [r[len(RUNS) + len(BUNDLED_RUNS):] for r in tp2]
+    for i, r in enumerate(CACHE_RUNS):
+        llm = LLM(*BUNDLED, mode="tree", max_batch_size=4, max_model_len=256, progress=False,
+                  budget=8, prefill_chunk=r.get("prefill_chunk"))
+        params = SamplingParams(max_new_tokens=12, ignore_eos=True,
+                                temperature=r.get("temperature", 0.0), seed=r.get("seed"))
+        with cold(llm):
+            ref = run(llm, CACHE_PROMPTS, params)
+        assert ranks[0][i]["tokens"] == [o.token_ids for o in ref], r
+        assert ranks[0][i]["cached"] == [(len(p) - 1) // PAGE * PAGE for p in CACHE_PROMPTS]
 
 
 # ---- sharding rules, in-process (no process group needed) ----------------------------------

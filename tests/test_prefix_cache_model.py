@@ -1,9 +1,9 @@
 """The prefix cache on the bundled pair (fp32, the CPU): a request that hits generates exactly
 the tokens a cold engine does, greedy and seeded, in tree, chain and ar modes, alone, batched,
 chunked and after preemption, with the accepted lengths of a cold run (the drafter's rows were
-restored with the target's); the rows a hit leaves in the pool agree with a cold prefill's;
-`--tp 2` with the cache equals one process. The cold reference is the same engine with the
-cache turned off, so both runs share weights and pool."""
+restored with the target's); the rows a hit leaves in the pool agree with a cold prefill's
+(`--tp 2` with the cache: `tests/test_parallel.py`). The cold reference is the same engine
+with the cache turned off, so both runs share weights and pool."""
 
 from __future__ import annotations
 
@@ -14,10 +14,8 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.llm import DEFAULT_DRAFT, DEFAULT_MODEL
 from engine.request import Request
 from tests.test_chunked_prefill import GREEDY, PAGE, SEEDED, ids
-from tests.test_parallel import TESTS, torchrun
 
 
 @pytest.fixture(scope="module")
@@ -151,25 +149,3 @@ def test_a_hit_leaves_the_rows_a_cold_prefill_writes(llms):
                 s.step()
     for a, b in zip(rows[True], rows[False]):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
-
-
-def test_tp2_with_the_cache_equals_one_process(tmp_path):
-    prompts = [ids(40, 40), ids(53, 41)]
-    spec = {"model": str(DEFAULT_MODEL), "draft": str(DEFAULT_DRAFT), "tp": 2,
-            "prompts": prompts,
-            "runs": [{"mode": "tree", "max_new_tokens": 12, "repeat": 2},
-                     {"mode": "tree", "max_new_tokens": 12, "temperature": 0.8, "seed": 5,
-                      "repeat": 2, "prefill_chunk": 20}]}
-    (tmp_path / "spec.json").write_text(json.dumps(spec))
-    r = torchrun(2, str(TESTS / "tp_run.py"), str(tmp_path / "spec.json"), str(tmp_path))
-    assert r.returncode == 0, r.stderr[-4000:]
-    ranks = [json.loads((tmp_path / f"rank{k}.json").read_text()) for k in range(2)]
-    for i, r in enumerate(spec["runs"]):
-        llm = LLM(mode="tree", max_batch_size=4, max_model_len=256, progress=False, budget=8,
-                  prefill_chunk=r.get("prefill_chunk"))
-        params = SamplingParams(max_new_tokens=12, ignore_eos=True,
-                                temperature=r.get("temperature", 0.0), seed=r.get("seed"))
-        with cold(llm):
-            ref = run(llm, prompts, params)
-        assert ranks[0][i]["tokens"] == [o.token_ids for o in ref], r
-        assert ranks[0][i]["cached"] == [(len(p) - 1) // PAGE * PAGE for p in prompts]

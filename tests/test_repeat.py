@@ -4,6 +4,7 @@ and in the rehearsal's tallies (peaks, launches, syncs)."""
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 from typing import Any
@@ -15,7 +16,6 @@ from graphs import plan
 from graphs.repeat import combine, repeated, sampled
 
 MODELS = Path(__file__).resolve().parent.parent / "models"
-MINI = ["--model", str(MODELS / "kimi-mini"), "--draft", str(MODELS / "kimi-mini-dflash")]
 
 
 def same(x: Any, y: Any, path: str = "") -> None:
@@ -38,29 +38,44 @@ def same(x: Any, y: Any, path: str = "") -> None:
 
 
 @pytest.fixture(scope="module")
-def mini_tp2() -> tuple[plan.Models, plan.CountingGroup]:
-    return plan.build(MODELS / "kimi-mini", MODELS / "kimi-mini-dflash", 2, torch.bfloat16)
+def six(tmp_path_factory) -> list[str]:
+    """The bundled pair's configs at 6 target layers (one dense, five MoE), the drafter fed by
+    layers 1, 3 and 5 (two of them inside the sampled run)."""
+    root = tmp_path_factory.mktemp("six")
+    t = json.loads((MODELS / "kimi-mini" / "config.json").read_text())
+    d = json.loads((MODELS / "kimi-mini-dflash" / "config.json").read_text())
+    t["num_hidden_layers"] = d["num_target_layers"] = 6
+    d["dflash_config"]["target_layer_ids"] = [1, 3, 5]
+    for name, cfg in (("t", t), ("d", d)):
+        (root / name).mkdir()
+        (root / name / "config.json").write_text(json.dumps(cfg))
+    return ["--model", str(root / "t"), "--draft", str(root / "d")]
+
+
+@pytest.fixture(scope="module")
+def mini_tp2(six) -> tuple[plan.Models, plan.CountingGroup]:
+    return plan.build(Path(six[1]), Path(six[3]), 2, torch.bfloat16)
 
 
 def test_the_moe_layers_repeat_and_pass_through_on_meta_only(mini_tp2):
     models, _ = mini_tp2
     layers = models.target.model.layers
-    assert repeated(layers) == list(range(1, 16))  # the dense first layer differs
+    assert repeated(layers) == list(range(1, 6))  # the dense first layer differs
     assert repeated(layers[:3]) == []  # two alike are not worth sampling
-    with sampled(layers, list(range(1, 16)), 1):
+    with sampled(layers, list(range(1, 6)), 1):
         with pytest.raises(RuntimeError, match="meta device only"):
-            layers[5](torch.zeros(1, 2, 128), None, "dense")
-    assert "forward" not in vars(layers[5])  # restored
+            layers[3](torch.zeros(1, 2, 128), None, "dense")
+    assert "forward" not in vars(layers[3])  # restored
     assert combine({"a": 3, "ops": [], "peak": 5}, {"a": 5, "b": 1, "ops": [], "peak": 7}, 4) \
         == {"a": 11, "b": 4, "ops": [], "peak": 7}
 
 
-def test_costs_from_two_layers_equal_every_layers(mini_tp2):
+def test_costs_from_two_layers_equal_every_layers(mini_tp2, six):
     models, _ = mini_tp2
     got = {}
     for every in (False, True):
         a = plan.build_parser().parse_args([
-            *MINI, "--tp", "2", "--cost", "--batch-sizes", "2", "--budgets", "4", "--context",
+            *six, "--tp", "2", "--cost", "--batch-sizes", "2", "--budgets", "4", "--context",
             "256", "--prompt-lens", "300", "--prefill-chunk", "128", "--cached-turn", "64,192",
             *(["--every-layer"] if every else [])])
         got[every] = {"rows": plan.costs(a, models, torch.bfloat16, ["H200"]),
@@ -69,9 +84,9 @@ def test_costs_from_two_layers_equal_every_layers(mini_tp2):
     same(got[False], got[True])
 
 
-def test_rehearsals_from_two_layers_equal_every_layers(mini_tp2, monkeypatch):
+def test_rehearsals_from_two_layers_equal_every_layers(mini_tp2, six, monkeypatch):
     """The memory table's measured peaks (every captured step, a prompt of two chunks) and a
-    rehearsed step's and prefill's launches and syncs, sampled at the mini model's 15."""
+    rehearsed step's and prefill's launches and syncs, sampled."""
     from graphs.rehearse import DeviceMode, rehearse_prefill, rehearse_step, step_kinds
     from graphs.repeat import extrapolated
 
@@ -79,7 +94,7 @@ def test_rehearsals_from_two_layers_equal_every_layers(mini_tp2, monkeypatch):
     monkeypatch.setattr(plan, "REHEARSE_SAMPLED", 3)
     got = {}
     for every in (False, True):
-        a = plan.build_parser().parse_args([*MINI, "--tp", "2", "--prefill-chunk", "64",
+        a = plan.build_parser().parse_args([*six, "--tp", "2", "--prefill-chunk", "64",
                                             "--max-batch-size", "2",
                                             *(["--every-layer"] if every else [])])
         got[every] = plan.memory(a, models, group, torch.bfloat16, 8 * 10**9)

@@ -3,8 +3,8 @@
     torchrun --nproc-per-node W tests/tp_run.py SPEC.json OUT_DIR
 
 SPEC.json: {"model", "draft", "tp", "prompts": [[ids...]], "runs": [{"mode", "budget",
-"max_new_tokens", "temperature", "top_p", "seed", "oracle", "prefill_chunk", "repeat"}]}. Every
-rank writes
+"max_new_tokens", "temperature", "top_p", "seed", "oracle", "prefill_chunk", "repeat", and
+"model", "draft", "prompts" where a run has its own}]}. Every rank writes
 OUT_DIR/rank{r}.json with its parameter bytes per run and whether its process groups were
 really freed on leaving them; rank 0 also writes each run's token ids.
 With "oracle", the drafter is the test suite's oracle (it agrees with the target often, so steps
@@ -36,7 +36,9 @@ def main() -> None:
     plain_draft = spec_module.draft
     for run in spec["runs"]:
         spec_module.draft = oracle_draft() if run.get("oracle") else plain_draft
-        llm = LLM(spec["model"], spec["draft"] if run["mode"] != "ar" else None,
+        model, draft = run.get("model", spec["model"]), run.get("draft", spec["draft"])
+        prompts = run.get("prompts", spec["prompts"])
+        llm = LLM(model, draft if run["mode"] != "ar" else None,
                   mode=run["mode"], budget=run.get("budget", 8), tp=spec["tp"],
                   max_batch_size=4, max_model_len=256, progress=False,
                   prefill_chunk=run.get("prefill_chunk"),
@@ -45,7 +47,7 @@ def main() -> None:
                                 top_p=run.get("top_p", 1.0), seed=run.get("seed"),
                                 max_new_tokens=run["max_new_tokens"], ignore_eos=True)
         for _ in range(run.get("repeat", 1)):  # again: the prompts hit the prefix cache
-            outs = llm.generate([{"prompt_token_ids": p} for p in spec["prompts"]], params)
+            outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
         target = param_bytes(llm.models.target)
         drafter = param_bytes(llm.models.drafter) if llm.models.drafter is not None else (0, 0)
         results.append({"tokens": [o.token_ids for o in outs], "target_bytes": target,
