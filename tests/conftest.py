@@ -1,5 +1,12 @@
+import os
+
 import pytest
 import torch
+
+# NOTE: the processes the tests start (servers, CLIs, ranks, compile workers) take one intra-op
+# thread too: beside the other test worker, more only spin-wait for a core (the CLI's default
+# job used 30% more CPU with two).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 @pytest.fixture(autouse=True, scope="session")

@@ -3,8 +3,8 @@ step with no graph break, one graph per (batch size, step shape) whatever the pa
 the eager step's tokens, and `auto` settled per use.
 
 NOTE: compiling is what these tests pay for, so each graph is compiled once in the module: the
-steps by the `turns` fixture (two graphs), the prefill by its own test; every other test
-replaces the compile with a recorder."""
+steps by the `turns` fixture (two graphs, one of them by inductor), the prefill by its own
+test; every other test replaces the compile with a recorder."""
 
 from __future__ import annotations
 
@@ -52,7 +52,24 @@ def turns(models):
     greedy rows, and three sampling rows (one of them greedy) padded to four. The compiled
     runner compiles two graphs (a greedy step at two rows, a sampled one at four) in the first
     round; later steps of a known (size, shape) run only the guards that tell its graphs
-    apart (`CompiledCPUSteps.run`)."""
+    apart (`CompiledCPUSteps.run`).
+
+    NOTE: inductor compiles the sampled graph; the greedy one, whose ops the sampled graph
+    holds too (its greedy row takes the same argmax and walk; only the sampled build's coupling
+    and draws are more), is traced whole by dynamo and AOT autograd as inductor's input is,
+    then run by torch's own kernels (`aot_eager`): each inductor compile costs a CPU about 40
+    seconds."""
+    import inspect
+
+    from engine.cpu import _compiled_step
+    from engine.spec import spec_step
+
+    inductor = _compiled_step()
+    traced = torch.compile(inspect.unwrap(spec_step), fullgraph=True, backend="aot_eager")
+
+    def step(models, pool, buf, shape, **kw):
+        return (inductor if shape.sample else traced)(models, pool, buf, shape, **kw)
+
     prompts = PROMPTS[:2] + PROMPTS
     reqs = prefilled(models, make_pool(models, 128), SHAPE, prompts,
                      [SamplingParams()] * 2 + SAMPLED, steps=4)
@@ -71,9 +88,11 @@ def turns(models):
     eager = play(runner_for(models, make_pool(models, 128), SHAPE, [2, 4]))
     runner = runner_for(models, make_pool(models, 128), SHAPE, [2, 4], compile=True)
     before, graphs = counters["stats"]["unique_graphs"], []
-    got = play(runner, lambda: graphs.append(counters["stats"]["unique_graphs"]))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr("engine.cpu._compiled_step", lambda: step)
+        got = play(runner, lambda: graphs.append(counters["stats"]["unique_graphs"]))
     return SimpleNamespace(eager=eager, got=got, runner=runner, before=before,
-                           after_first_round=graphs[0])
+                           after_first_round=graphs[0], step=step)
 
 
 def test_compiled_steps_keep_the_eager_tokens(turns):
@@ -83,7 +102,7 @@ def test_compiled_steps_keep_the_eager_tokens(turns):
     assert any(a > 0 for _, accepted in turns.got for step in accepted for a in step)
 
 
-def test_one_graph_per_step_shape_whatever_the_width(turns):
+def test_one_graph_per_step_shape_whatever_the_width(turns, monkeypatch):
     """One graph per (size, shape), compiled at its first step and never again; running it
     over a wider page table (every row padding) reuses it."""
     runner = turns.runner
@@ -94,6 +113,7 @@ def test_one_graph_per_step_shape_whatever_the_width(turns):
     buf = runner.buffers[2].fit(shape)
     for k, v in PADDING.items():
         buf.inputs()[k][:] = v
+    monkeypatch.setattr("engine.cpu._compiled_step", lambda: turns.step)
     runner.compiled.run(buf, shape, runner.max_pages)
     assert counters["stats"]["unique_graphs"] == turns.before + 2, \
         "a new width compiled a second graph"

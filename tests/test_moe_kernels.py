@@ -420,7 +420,7 @@ def test_triton_experts_real_size_slice(device: str) -> None:
     s13 = (torch.rand(E, 2 * inter, H // 32, generator=g) * 4e-3 + 1e-4).to(torch.bfloat16)
     s2 = (torch.rand(E, H, inter // 32, generator=g) * 4e-2 + 1e-3).to(torch.bfloat16)
     # The interpreter pays per tile, so the CPU run takes the largest tiles; a GPU the defaults.
-    tiles = {"block_n": 128, "block_k": 256} if device == "cpu" else {}
+    tiles = {"block_n": 512, "block_k": 512} if device == "cpu" else {}
     ref = experts_aligned_w4a16(x, idx, w, p13, s13, p2, s2, 32, 16)
     got = moe_experts_w4a16_triton(*(t.to(device) for t in (x, idx, w, p13, s13, p2, s2)),
                                    32, 16, **tiles).cpu()
