@@ -109,6 +109,8 @@ def check_sharded_bytes(n: int, full: tuple[int, int], got: list[int]) -> None:
     assert total == rep + (full[0] - rep) // n, (full, got)
 
 
+RUNS_4 = [RUNS[0], RUNS[3]]  # four ranks on two cores: the greedy and the seeded tree
+
 # The bundled pair across 2 ranks, prompts prefilled whole or (tree runs) in chunks of 3 and 5
 # tokens (`test_tp_equals_single_process_bundled`).
 BUNDLED_RUNS = [
@@ -135,13 +137,14 @@ def tp2(pair, tmp_path_factory) -> list[list[dict]]:
 
 @pytest.mark.parametrize("n", [2, 4])
 def test_tp_equals_single_process(pair, singles, tp2, tmp_path, n):
-    """Greedy tree / chain / ar and seeded sampling give the single-process tokens exactly, and
-    each rank holds 1/n of every split tensor (the drafter splits at 2 and is replicated at 4,
-    where its 2 KV heads do not divide)."""
+    """Greedy tree / chain / ar and seeded sampling give the single-process tokens exactly (at 4
+    ranks the greedy and the seeded tree), and each rank holds 1/n of every split tensor (the
+    drafter splits at 2 and is replicated at 4, where its 2 KV heads do not divide)."""
     model, draft = pair
-    ranks = [r[:len(RUNS)] for r in tp2] if n == 2 else run_tp(n, model, draft, RUNS, tmp_path)
-    for i, run in enumerate(RUNS):
-        tokens, tbytes, dbytes = singles[i]
+    runs = RUNS if n == 2 else RUNS_4
+    ranks = [r[:len(RUNS)] for r in tp2] if n == 2 else run_tp(n, model, draft, runs, tmp_path)
+    for i, run in enumerate(runs):
+        tokens, tbytes, dbytes = singles[RUNS.index(run)]
         assert ranks[0][i]["tokens"] == tokens, run
         for rank in ranks:
             check_sharded_bytes(n, tbytes, rank[i]["target_bytes"])
@@ -164,15 +167,20 @@ def test_tp_equals_single_process(pair, singles, tp2, tmp_path, n):
 
 
 def test_generate_cli_under_torchrun(tmp_path):
-    """The CLI on a sharded checkpoint with INT4 experts (each rank slices the dequantized
-    experts), greedy and seeded-sampled lines, equals the single-process output."""
+    """The CLI on a sharded K2.5-style checkpoint with INT4 experts (each rank slices the
+    dequantized experts) and a vision tower (each rank encodes the images of its prefills),
+    greedy and seeded-sampled lines and a chat line with an image, equals the single-process
+    output."""
+    from tests.test_vision_prefill import _messages, _png
+
     model = make_tiny(tmp_path / "t", dtype="fp32", vocab=768, seed=3, int4_experts=True,
-                      shards=2, **TARGETS["moe_groups_yarn"])
+                      shards=2, vision=True, **TARGETS["moe_groups_yarn"])
     draft = make_draft(model, tmp_path / "d", layers=1, seed=4)
     pf = tmp_path / "p.jsonl"
     pf.write_text("\n".join(json.dumps(x) for x in [
         {"prompt": "hello world"}, {"prompt_token_ids": [5, 6, 7]},
-        {"prompt": "x", "temperature": 0.7, "seed": 3}]) + "\n")
+        {"prompt": "x", "temperature": 0.7, "seed": 3},
+        {"messages": _messages(_png(100, 30, 2), _png(60, 40, 1))}]) + "\n")
     common = ["--model", str(model), "--draft", str(draft), "--prompts", str(pf),
               "--max-new-tokens", "6", "--ignore-eos", "--max-model-len", "256"]
     ref = tmp_path / "single.jsonl"

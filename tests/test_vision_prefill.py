@@ -1,17 +1,14 @@
 """Images in the prompt, end to end on `tools.make_tiny --vision`'s checkpoint: the engine's
 greedy tokens (plain decoding and tree speculation with a random drafter, whole and chunked
 prefills with a chunk boundary inside an image) equal transformers'
-`Kimi_K25ForConditionalGeneration` on the same prompt ids, pixel values and grids (fp32)."""
+`Kimi_K25ForConditionalGeneration` on the same prompt ids, pixel values and grids (fp32).
+Under `--tp 2` the CLI's image line equals one process's: `tests/test_parallel.py`."""
 
 from __future__ import annotations
 
 import base64
 import io
 import json
-import os
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -133,6 +130,23 @@ def test_the_prefix_cache_keys_image_pages_by_content(llms, hf):
     assert other.token_ids == _hf_greedy(hf, ids_b, images_b) != first.token_ids
 
 
+def test_a_preempted_image_request_resumes_with_its_images(dirs, llms):
+    """Two image prompts in a pool that holds one of them at full length: one is preempted,
+    resumes (its image rows recomputed from the images, or hit in the cache) and both answer
+    as each does alone."""
+    target, _ = dirs
+    prompts = [{"messages": _messages(_png(60, 40, 1), _png(100, 30, 2))},
+               {"messages": _messages(_png(80, 50, 3))}]
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    alone = [llms["ar"].generate([p], params)[0].token_ids for p in prompts]
+    longest = max(len(llms["ar"].encode_with_images(p)[0]) for p in prompts) + 40
+    llm = LLM(target, mode="ar", progress=False, dtype="fp32", device="cpu", page_size=PAGE,
+              max_batch_size=2, compile="off", kv_pages=1 + -(-longest // PAGE) + 2)
+    got = [o.token_ids for o in llm.generate(prompts, params)]
+    assert llm.scheduler.num_preemptions > 0
+    assert got == alone
+
+
 def test_token_prompts_take_images_beside_them(llms):
     llm = llms["ar"]
     a = _png(60, 40, 1)
@@ -184,30 +198,3 @@ def test_engine_generate_reads_image_parts_from_prompt_files(dirs, llms, hf, tmp
     for p, tokens in zip(prompts, got):
         ids, images = llms["ar"].encode_with_images(p)
         assert tokens == _hf_greedy(hf, ids, images)
-
-
-@pytest.mark.slow  # two torchrun ranks: about 20 s of CPU
-def test_tp2_equals_transformers(dirs, llms, hf, tmp_path):
-    """Under `--tp 2` (gloo, torchrun) each rank encodes the images itself: the tokens are
-    transformers' (so one process's)."""
-    target, draft = dirs
-    prompts = [{"messages": _messages(_png(60, 40, 1), _png(100, 30, 2))}]
-    pf, out = tmp_path / "p.jsonl", tmp_path / "tp.jsonl"
-    pf.write_text("".join(json.dumps(p) + "\n" for p in prompts))
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(k, None)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    r = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-         "--master-addr", "127.0.0.1", "--master-port", str(port), "-m", "engine.generate",
-         "--tp", "2", "--model", str(target), "--draft", str(draft), "--prompts", str(pf),
-         "--output", str(out), "--mode", "tree", "--max-new-tokens", str(NEW), "--ignore-eos",
-         "--device", "cpu", "--dtype", "fp32"],
-        env=env, capture_output=True, text=True, timeout=300, cwd=REPO)
-    assert r.returncode == 0, r.stderr[-4000:]
-    got = [json.loads(line)["token_ids"] for line in out.read_text().splitlines()]
-    ids, images = llms["ar"].encode_with_images(prompts[0])
-    assert got == [_hf_greedy(hf, ids, images)]
