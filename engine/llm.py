@@ -54,7 +54,12 @@ from engine.memory import (
 )
 from engine.models.dflash import DFlashDrafter
 from engine.models.kimi import KimiForCausalLM
-from engine.models.vision import KimiVision, has_vision_weights
+from engine.models.vision import (
+    KimiVision,
+    VisionConfig,
+    has_vision_weights,
+    vision_weight_bytes,
+)
 from engine.policy import Policy, default_policy, load_budgets
 from engine.request import Request
 from engine.runner import Logprob, PhaseTimer, StepGraphRunner
@@ -184,11 +189,15 @@ def check_fits(cfg: EngineConfig, device: torch.device, dtype: torch.dtype,
     mc = ModelConfig.from_dir(model)
     max_len = cfg.max_model_len or mc.max_position_embeddings
     nbytes = torch.finfo(dtype).bits // 8
-    weights = (checkpoint_bytes(model) + (checkpoint_bytes(draft) if cfg.mode != "ar" else 0)
-               ) // cfg.tp
+    # NOTE: every rank holds the vision tower whole
+    vision = VisionConfig.from_dir(model) if has_vision_weights(model) else None
+    tower = vision_weight_bytes(model) if vision is not None else 0
+    weights = (checkpoint_bytes(model) - tower + (checkpoint_bytes(draft) if cfg.mode != "ar"
+                                                  else 0)) // cfg.tp + tower
     reserve = activation_reserve(mc, tp=cfg.tp, max_batch_size=cfg.max_batch_size, step_rows=1,
                                  prefill_tokens=prefill_chunk(cfg, device), dtype_bytes=nbytes,
-                                 cuda=device.type == "cuda")
+                                 cuda=device.type == "cuda", vision=vision,
+                                 image_patches=MediaConfig.from_dir(model).max_patches)
     size_kv_pool(budget_bytes=budget[0], used_bytes=budget[1] + weights,
                  reserve_bytes=reserve.total,
                  bytes_per_token=mc.num_hidden_layers * mc.kv_cache_dim * nbytes,
@@ -351,8 +360,8 @@ class LLM:
             used = memory_budget(cfg, device)[1]
         elif budget[0] is not None:
             used = sum(t.numel() * t.element_size()
-                       for m in (self.models.target, self.models.drafter) if m is not None
-                       for t in (*m.parameters(), *m.buffers()))
+                       for m in (self.models.target, self.models.drafter, self.models.vision)
+                       if m is not None for t in (*m.parameters(), *m.buffers()))
         _, size, err = engine_pool(
             self.models.target.cfg, kv_pages=cfg.kv_pages, budget_bytes=budget[0],
             used_bytes=used, budget_flag=budget[2], tp=cfg.tp,
@@ -361,6 +370,8 @@ class LLM:
             cuda=device.type == "cuda", bytes_per_token=self.models.kv_bytes_per_token(dtype),
             page_size=cfg.page_size, max_model_len=self.max_model_len,
             pages_per_context=max_pages,
+            vision=self.models.vision.cfg if self.models.vision is not None else None,
+            image_patches=self.media_config.max_patches,
             # NOTE: on the CPU the default budget is a guess (a share of the RAM free at start,
             # which the OS and other processes share): there the cache takes the whole budget
             # only when --cpu-memory-budget gives one, else it lives in what the batch leaves

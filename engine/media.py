@@ -73,6 +73,12 @@ class MediaConfig:
             image_std=tuple(float(x) for x in m.get("image_std", (0.5,) * 3)),
         )
 
+    @property
+    def max_patches(self) -> int:
+        """The most patches an image keeps: `in_patch_limit` after the shrink, and the padding
+        to whole merge cells adds at most a row and a column of them."""
+        return self.in_patch_limit + 2 * self.patch_limit_on_one_side + 1
+
     @classmethod
     def from_dir(cls, path: str | Path) -> MediaConfig:
         """The checkpoint's values where it ships `preprocessor_config.json`, else K2.5's."""

@@ -150,6 +150,21 @@ def prefill_activation_bytes(mc: Any, *, tokens: int, tp: int, dtype_bytes: int)
     return rows + attn + mlp + scratch + hidden
 
 
+def image_activation_bytes(vc: Any, *, patches: int, dtype_bytes: int) -> int:
+    """One image through the vision tower and projector (a `VisionConfig`; the engine encodes
+    a prompt's images one at a time, `engine.runner`), estimated: per patch a block's live
+    rows (its input, the normed rows, query/key/value, the attention's output and the residual:
+    seven widths, and the MLP's hidden rows twice) and the rotary cos/sin in float32; per merged
+    token the projector's rows (the normed members, the wide layer's output and activation, the
+    text-width output). Attention runs per image through SDPA's fused kernels on CUDA: no
+    patches x patches scores."""
+    d, i = vc.hidden_size, vc.intermediate_size
+    tower = patches * ((7 * d + 2 * i) * dtype_bytes + 2 * (vc.head_dim // 2) * 4)
+    tokens = patches // vc.merge
+    projector = tokens * (3 * vc.merge * d + vc.text_hidden_size) * dtype_bytes
+    return tower + projector
+
+
 @dataclass(frozen=True)
 class Reserve:
     """What the engine allocates after the KV pool, by part (bytes)."""
@@ -157,23 +172,28 @@ class Reserve:
     step: int  # the largest batch's step activations (the captured graphs' pool)
     prefill: int  # the largest batched prefill's activations
     overhead: int  # CUDA_OVERHEAD_BYTES on CUDA, 0 on the CPU
+    image: int = 0  # the largest image's encoding (a vision tower's checkpoint), before a prefill
 
     @property
     def total(self) -> int:
-        return self.step + self.prefill + self.overhead
+        return self.step + self.prefill + self.overhead + self.image
 
 
 def activation_reserve(mc: Any, *, tp: int, max_batch_size: int, step_rows: int,
-                       prefill_tokens: int, dtype_bytes: int, cuda: bool) -> Reserve:
+                       prefill_tokens: int, dtype_bytes: int, cuda: bool,
+                       vision: Any = None, image_patches: int = 0) -> Reserve:
     """The reserve for `mc` (a `ModelConfig`): the step of `max_batch_size` rows of `step_rows`
     tokens each (tree nodes plus draft block), a prefill of `prefill_tokens` tokens (one engine
-    step's prefill, `--prefill-chunk`: a longer prompt is chunked) and, on CUDA, the fixed
-    overhead."""
+    step's prefill, `--prefill-chunk`: a longer prompt is chunked), with a vision tower
+    (`vision`, a `VisionConfig`) the encoding of an image of `image_patches` patches (the most
+    the preprocessing leaves) and, on CUDA, the fixed overhead."""
     return Reserve(
         step=step_activation_bytes(rows=max_batch_size * step_rows, vocab_size=mc.vocab_size),
         prefill=prefill_activation_bytes(mc, tokens=prefill_tokens, tp=tp,
                                          dtype_bytes=dtype_bytes),
-        overhead=CUDA_OVERHEAD_BYTES if cuda else 0)
+        overhead=CUDA_OVERHEAD_BYTES if cuda else 0,
+        image=image_activation_bytes(vision, patches=image_patches, dtype_bytes=dtype_bytes)
+        if vision is not None else 0)
 
 
 # ---- the rule ----------------------------------------------------------------------------------
@@ -264,7 +284,7 @@ def engine_pool(mc: Any, *, kv_pages: int | None, budget_bytes: int | None, used
                 budget_flag: str, tp: int, max_batch_size: int, step_rows: int,
                 prefill_tokens: int, dtype_bytes: int, cuda: bool, bytes_per_token: int,
                 page_size: int, max_model_len: int, pages_per_context: int,
-                prefix_caching: bool = True
+                prefix_caching: bool = True, vision: Any = None, image_patches: int = 0
                 ) -> tuple[Reserve, PoolSize | None, KVMemoryError | None]:
     """What the engine sizes once its weights are loaded (`engine.llm.LLM`, and `graphs.plan`
     with planned numbers): its `activation_reserve` for `mc` and the KV pool, `kv_pages` pages
@@ -272,7 +292,7 @@ def engine_pool(mc: Any, *, kv_pages: int | None, budget_bytes: int | None, used
     (None), else `size_kv_pool`'s; no pool and the error when not one full context fits."""
     reserve = activation_reserve(mc, tp=tp, max_batch_size=max_batch_size, step_rows=step_rows,
                                  prefill_tokens=prefill_tokens, dtype_bytes=dtype_bytes,
-                                 cuda=cuda)
+                                 cuda=cuda, vision=vision, image_patches=image_patches)
     if kv_pages is not None or budget_bytes is None:
         cap = 1 + max_batch_size * pages_per_context
         pages = cap if kv_pages is None else kv_pages

@@ -72,6 +72,7 @@ from engine.attention import PagedBackend
 from engine.config import DraftConfig, EngineConfig, ModelConfig, int_list
 from engine.dist import Group
 from engine.kv_cache import KVPool, pages_needed
+from engine.media import MediaConfig
 from engine.memory import (
     CUDA_RUNTIME_BYTES,
     GPU_MEMORY_UTILIZATION,
@@ -84,6 +85,7 @@ from engine.memory import (
 from engine.models.dflash import DFlashDrafter
 from engine.models.kimi import KimiForCausalLM
 from engine.models.layers import FP8, cast_parameters, checkpoint_tensors
+from engine.models.vision import KimiVision, VisionConfig
 from engine.policy import Policy, policy_path, write_tuned
 from engine.runner import StepGraphRunner
 from engine.scheduler import RequestRejected
@@ -185,18 +187,21 @@ class CountingGroup(Group):
 
 def build(model: Path, draft: Path | None, tp: int, dtype: torch.dtype
           ) -> tuple[Models, CountingGroup | None]:
-    """The target (and drafter) of rank 0 on the meta device, weights as stored."""
+    """The target (and drafter, and a K2.5's vision tower, whole on every rank) of rank 0 on the
+    meta device, weights as stored."""
     group = CountingGroup(0, tp, "meta") if tp > 1 else None
     cfg = ModelConfig.from_dir(model)
+    vision = VisionConfig.from_dir(model)  # K2.5 ships its tower: its config says so
     with torch.device("meta"):
         target = KimiForCausalLM(cfg, group)
         drafter = (DFlashDrafter(DraftConfig.from_dir(draft), cfg.hidden_size, group)
                    if draft is not None else None)
-    for m in (target, drafter):
+        tower = KimiVision(vision) if vision is not None else None
+    for m in (target, drafter, tower):
         if m is not None:
             cast_parameters(m, dtype)
             m.requires_grad_(False)
-    return Models(target, drafter, tp=group, attention=PagedBackend()), group
+    return Models(target, drafter, tp=group, attention=PagedBackend(), vision=tower), group
 
 
 # target -> (its drafter's id, their `weight_bytes`)
@@ -220,7 +225,8 @@ def weight_bytes(models: Models) -> dict[str, int]:
 
 def _weight_bytes(models: Models) -> dict[str, int]:
     out: dict[str, int] = defaultdict(int)
-    for name, m in (("target", models.target), ("drafter", models.drafter)):
+    for name, m in (("target", models.target), ("drafter", models.drafter),
+                    ("vision", models.vision)):
         if m is None:
             continue
         for key, s in checkpoint_tensors(m).items():
@@ -798,7 +804,7 @@ class Sizing:
 
     @property
     def per_rank(self) -> int:
-        return self.weights.get("target", 0) + self.weights.get("drafter", 0)
+        return sum(self.weights.get(k, 0) for k in ("target", "drafter", "vision"))
 
 
 def sizing(a: argparse.Namespace, models: Models, dtype: torch.dtype, gpu_memory: int,
@@ -813,7 +819,7 @@ def sizing(a: argparse.Namespace, models: Models, dtype: torch.dtype, gpu_memory
     max_pages = pages_needed(max_len + widest.max_emit, a.page_size)
     chunk = cuda_prefill_chunk(a)
     weights = weight_bytes(models)
-    per_rank = weights.get("target", 0) + weights.get("drafter", 0)
+    per_rank = sum(weights.get(k, 0) for k in ("target", "drafter", "vision"))
     kv_token = models.kv_bytes_per_token(dtype)
     used = per_rank + a.reserve
     budget = int(gpu_memory * a.gpu_memory_utilization)
@@ -823,7 +829,9 @@ def sizing(a: argparse.Namespace, models: Models, dtype: torch.dtype, gpu_memory
         max_batch_size=max_batch_size, step_rows=widest.num_nodes + shape.block_size,
         prefill_tokens=chunk, dtype_bytes=torch.finfo(dtype).bits // 8, cuda=True,
         bytes_per_token=kv_token, page_size=a.page_size, max_model_len=max_len,
-        pages_per_context=max_pages, prefix_caching=a.enable_prefix_caching)
+        pages_per_context=max_pages, prefix_caching=a.enable_prefix_caching,
+        vision=models.vision.cfg if models.vision is not None else None,
+        image_patches=MediaConfig.from_dir(a.model).max_patches)
     return Sizing(shape, budgets, widest, max_len, a.page_size, max_pages, max_batch_size, chunk,
                   weights, kv_token, reserve, used, budget, flag, pool, str(err) if err else None)
 
@@ -895,6 +903,7 @@ def memory(a: argparse.Namespace, models: Models, group: CountingGroup | None,
             "prefill_chunk": z.chunk, "prefill_activation_bytes": prefill,
             "reserve_bytes": a.reserve,
             "activation_reserve_bytes": {"step": z.reserve.step, "prefill": z.reserve.prefill,
+                                         "image": z.reserve.image,
                                          "overhead": z.reserve.overhead},
             "gpu_memory_utilization": a.gpu_memory_utilization,
             "gpu_memory_bytes": gpu_memory, "kv_room_bytes": room,
@@ -1129,7 +1138,9 @@ def _gb(n: float) -> str:
 def memory_table(r: dict[str, Any]) -> str:
     res, steps = r["activation_reserve_bytes"], r["step_workspace_by_kind"]
     kinds = ", ".join(f"{k} {_gb(v)}" for k, v in r["weight_bytes_by_kind"].items()
-                      if k not in ("target", "drafter"))
+                      if k not in ("target", "drafter", "vision"))
+    if r["weight_bytes_by_kind"].get("vision"):
+        kinds += f"; the vision tower {_gb(r['weight_bytes_by_kind']['vision'])} whole"
     lines = [
         f"{r['model']} at --tp {r['tp']}, per rank:",
         f"  weights            {_gb(r['weight_bytes_per_rank'])} ({kinds})",
@@ -1143,7 +1154,8 @@ def memory_table(r: dict[str, Any]) -> str:
         f"tokens, measured: the first chunk's forward and one over a cached prefix)",
         f"  CUDA context       {_gb(r['reserve_bytes'])} (--reserve)",
         f"  engine's reserve   {_gb(sum(res.values()))} (step {_gb(res['step'])}, prefill "
-        f"{_gb(res['prefill'])}, overhead {_gb(res['overhead'])}: engine.memory)",
+        f"{_gb(res['prefill'])}, overhead {_gb(res['overhead'])}"
+        + (f", an image {_gb(res['image'])}" if res.get("image") else "") + ": engine.memory)",
         f"  KV room            {_gb(r['kv_room_bytes'])} of {_gb(r['gpu_memory_bytes'])} "
         f"at full memory",
         f"  engine's KV pool   {r['kv_tokens']:,} tokens ({_gb(r['kv_pool_bytes'])}), "

@@ -102,13 +102,13 @@ def _peak_growth(llm: LLM, prompt: list[int], chunk: int) -> tuple[list[int], in
 
 
 def test_long_prompt_chunked_matches_transformers_in_a_quarter_of_the_memory():
-    """A 2,048-token prompt: the same tokens in chunks of 256 as in one forward and as
+    """A 1,536-token prompt: the same tokens in chunks of 256 as in one forward and as
     transformers; the chunked prefill's peak memory growth at most a quarter of the whole
     one's (its attention scores are chunk x context, not prompt x prompt)."""
     from transformers import DeepseekV3ForCausalLM
 
     llm = LLM(progress=False, max_batch_size=1)
-    prompt = ids(2048, 7)
+    prompt = ids(1536, 7)
     llm.generate([{"prompt_token_ids": prompt[:40]}], GREEDY)  # first-call allocations
     whole, whole_bytes = _peak_growth(llm, prompt, 4096)
     chunked, chunked_bytes = _peak_growth(llm, prompt, 256)

@@ -527,7 +527,8 @@ def _ptxas() -> str | None:
 @pytest.mark.skipif(_ptxas() is None, reason="triton's NVIDIA backend (ptxas) is missing")
 def test_kernels_compile_for_sm90_without_spills(tmp_path):
     """The wrappers' tile choices compile for an H200 (sm_90a) with no register spills and
-    shared memory within its 227 KB, without a GPU: Triton compiles to PTX, ptxas reports."""
+    shared memory within its 227 KB, without a GPU: Triton compiles to PTX, ptxas reports. Kimi's
+    widths in bf16 (fp32 weights at those widths fit no GPU), toy widths in both."""
     out = _run_python(f"""
         import re, subprocess, tempfile, torch, triton
         from triton.backends.compiler import GPUTarget
@@ -545,11 +546,9 @@ def test_kernels_compile_for_sm90_without_spills(tmp_path):
 
         cases = dict(
             mla_kimi_bf16=fwd(torch.bfloat16, 512, 64, 512, 8, 65, True),
-            mla_kimi_fp32=fwd(torch.float32, 512, 64, 512, 8, 65, True),
             mla_toy_fp32=fwd(torch.float32, 64, 16, 64, 4, 65, True),
             mla_toy_bf16=fwd(torch.bfloat16, 64, 16, 64, 4, 65, True),
             draft_kimi_bf16=fwd(torch.bfloat16, 128, 0, 128, 8, 8, False),
-            draft_kimi_fp32=fwd(torch.float32, 128, 0, 128, 8, 8, False),
             merge=(at._merge_splits, dict(DV=512, BLOCK_R=8, BLOCK_DV=512), 4, {{}}),
         )
         for name, (fn, const, nw, ptrs) in cases.items():

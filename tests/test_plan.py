@@ -51,6 +51,11 @@ def test_kimi_k25_fits_an_h200_at_tp8(k25_cost):
     assert r["kv_bytes_per_token"] == 61 * 576 * 2
     assert r["fits"] is True and r["kv_tokens"] > 262144
     assert "fits               yes" in k25_cost.out
+    # the vision tower and projector, 0.47e9 parameters in bf16, whole on every rank; the
+    # largest image's encoding in the engine's reserve
+    assert r["weight_bytes_by_kind"]["vision"] == pytest.approx(2 * 0.47e9, rel=0.02)
+    assert r["activation_reserve_bytes"]["image"] > 2 * 16384 * 4304 * 2
+    assert "the vision tower 0.94 GB whole" in k25_cost.out and "an image" in k25_cost.out
 
 
 def test_kimi_k2_fp8_at_tp8_says_how_little_kv_room_is_left(tmp_path, capsys):

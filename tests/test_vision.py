@@ -130,3 +130,24 @@ def test_a_preprocessed_image_through_both(hf, tower):
         got = tower(image.pixel_values, [image.grid])[0]
     assert got.shape == (image.tokens, 64)
     torch.testing.assert_close(got, ref, rtol=0, atol=2e-5)
+
+
+def test_the_tower_is_counted_whole_on_every_rank(ckpt, tower):
+    """The engine's memory rule counts the tower's weights as stored, whole on each rank, and
+    the encoding of the largest image the preprocessing leaves in its activation reserve."""
+    from engine.memory import activation_reserve, image_activation_bytes
+    from engine.models.vision import vision_weight_bytes
+
+    stored = sum(t.numel() * 4 for t in tower.parameters())  # the tiny checkpoint is fp32
+    assert vision_weight_bytes(ckpt) == stored > 0
+    mc, vc = ModelConfig.from_dir(ckpt), tower.cfg
+    most = MediaConfig().max_patches
+    assert most >= 16384 and 128 * 128 <= most
+    kw = dict(tp=1, max_batch_size=1, step_rows=1, prefill_tokens=64, dtype_bytes=2,
+              cuda=True)
+    with_tower = activation_reserve(mc, **kw, vision=vc, image_patches=most)
+    assert with_tower.image == image_activation_bytes(vc, patches=most, dtype_bytes=2) > 0
+    assert with_tower.total == activation_reserve(mc, **kw).total + with_tower.image
+    # K2.5's tower at the most patches: its MLP rows alone are 16,384 x 4,304 x 2 bytes twice
+    k25 = VisionConfig()
+    assert image_activation_bytes(k25, patches=most, dtype_bytes=2) > 2 * 16384 * 4304 * 2

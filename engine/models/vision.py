@@ -140,6 +140,31 @@ def has_vision_weights(path: str | Path) -> bool:
             and "vision_tower.patch_embed.proj.weight" in checkpoint_index(path))
 
 
+def vision_weight_bytes(path: str | Path) -> int:
+    """Bytes of the checkpoint's tower and projector tensors as stored (read from the
+    safetensors headers): what every rank holds whole, not a 1/tp share."""
+    from safetensors import safe_open
+
+    by_file: dict[str, list[str]] = {}
+    for name, f in checkpoint_index(path).items():
+        if name.startswith(("vision_tower.", "mm_projector.")):
+            by_file.setdefault(f, []).append(name)
+    total = 0
+    for f, names in by_file.items():
+        with safe_open(f, framework="pt") as st:
+            for name in names:
+                piece = st.get_slice(name)
+                n = 1
+                for d in piece.get_shape():
+                    n *= d
+                total += n * _DTYPE_BYTES[piece.get_dtype()]
+    return total
+
+
+_DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "I64": 8,
+                "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
+
+
 # ---- the tower -----------------------------------------------------------------------------------
 
 
