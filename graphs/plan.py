@@ -204,12 +204,12 @@ def build(model: Path, draft: Path | None, tp: int, dtype: torch.dtype
     return Models(target, drafter, tp=group, attention=PagedBackend(), vision=tower), group
 
 
-# target -> (its drafter's id, their `weight_bytes`)
 # The rehearsal answers an op it has seen from a cache of its shapes (`graphs.rehearse`), so a
 # layer costs it little beside the scheduler, the drafter and the sampling: it samples only
 # groups of repeated layers at least this long (`graphs.repeat.extrapolated`), as Kimi's 60.
 REHEARSE_SAMPLED = 24
 
+# target -> (its drafter's id, their `weight_bytes`)
 _WEIGHTS: weakref.WeakKeyDictionary[torch.nn.Module, tuple[int, dict[str, int]]] = \
     weakref.WeakKeyDictionary()
 
