@@ -19,30 +19,35 @@ def _one_thread():
     torch.set_num_threads(n)
 
 
-# The files that take longest, longest first (a cold run on two cores):
+# The files that take longest, longest first (a cold run on two cores, measured):
 # `--dist loadfile` hands whole files to the workers in collection order (`pytest_configure`
 # turns off xdist's reordering by test count, which put these few-test files last), so a long
 # file starts while the other worker works through the short ones instead of running alone at
 # the end. A new file that takes more than about ten seconds belongs here.
 LONGEST_FIRST = (
-    "test_compile.py",  # three inductor compiles, cold
-    "test_serve.py",  # five server processes
+    "test_compile.py",  # two inductor compiles, cold
     "test_parallel.py",  # torchrun launches
-    "test_plan.py",
-    "test_chunked_prefill.py",
-    "test_plan_cost.py",
-    "test_rehearse.py",
-    "test_training.py",
-    "test_bench.py",
-    "test_serve_robust.py",
+    "test_serve.py",  # five server processes
     "test_spec.py",
-    "test_moe_kernels.py",
-    "test_gpu_check.py",
-    "test_paged_attention.py",
-    "test_generate.py",
+    "test_plan.py",
+    "test_prefill_attention.py",
     "test_structured.py",
+    "test_paged_attention.py",
+    "test_plan_cost.py",
+    "test_moe_kernels.py",
+    "test_bench.py",
+    "test_chunked_prefill.py",
+    "test_serve_robust.py",
+    "test_prefix_cache_model.py",
     "test_model.py",
+    "test_config.py",
+    "test_gpu_check.py",
+    "test_rehearse.py",
+    "test_repeat.py",
+    "test_serve_shutdown.py",
+    "test_training.py",
     "test_golden.py",
+    "test_generate.py",
 )
 
 

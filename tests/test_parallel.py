@@ -111,11 +111,10 @@ def check_sharded_bytes(n: int, full: tuple[int, int], got: list[int]) -> None:
 
 RUNS_4 = [RUNS[0], RUNS[3]]  # four ranks on two cores: the greedy and the seeded tree
 
-# The bundled pair across 2 ranks, prompts prefilled whole or (tree runs) in chunks of 3 and 5
-# tokens (`test_tp_equals_single_process_bundled`).
+# The bundled pair across 2 ranks, prompts prefilled in chunks of 3 and 5 tokens, greedy and
+# seeded (`test_tp_equals_single_process_bundled`; chain and ar run on the test pair).
 BUNDLED_RUNS = [
     {"mode": "tree", "max_new_tokens": 16, "prefill_chunk": 3},
-    {"mode": "chain", "max_new_tokens": 16}, {"mode": "ar", "max_new_tokens": 16},
     {"mode": "tree", "max_new_tokens": 16, "temperature": 0.8, "seed": 5, "prefill_chunk": 5}]
 # Each prompt twice, the second time over the prefix cache (`test_tp2_with_the_cache_equals_one_
 # process`).
@@ -283,8 +282,8 @@ def test_serve_under_torchrun(pair, tmp_path):
 
 
 def test_tp_equals_single_process_bundled(tp2):
-    """The bundled pair across 2 ranks gives the single process's tokens, prompts prefilled
-    whole or (tree runs) in chunks of 3 and 5 tokens against the unchunked single process."""
+    """The bundled pair across 2 ranks gives the single process's tokens, prompts prefilled in
+    chunks of 3 and 5 tokens against the unchunked single process, greedy and seeded."""
     model, draft = BUNDLED
     ranks = [r[len(RUNS):len(RUNS) + len(BUNDLED_RUNS)] for r in tp2]
     for i, run in enumerate(BUNDLED_RUNS):
