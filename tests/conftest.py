@@ -23,31 +23,42 @@ def _one_thread():
 # `--dist loadfile` hands whole files to the workers in collection order (`pytest_configure`
 # turns off xdist's reordering by test count, which put these few-test files last), so a long
 # file starts while the other worker works through the short ones instead of running alone at
-# the end. A new file that takes more than about ten seconds belongs here.
+# the end, and the last files are short. A new file that takes more than about five seconds
+# belongs here.
 LONGEST_FIRST = (
     "test_compile.py",  # two inductor compiles, cold
     "test_parallel.py",  # torchrun launches
-    "test_serve.py",  # five server processes
     "test_spec.py",
-    "test_plan.py",
+    "test_serve.py",  # five server processes
     "test_prefill_attention.py",
     "test_structured.py",
-    "test_paged_attention.py",
-    "test_plan_cost.py",
     "test_moe_kernels.py",
+    "test_paged_attention.py",
+    "test_plan.py",
+    "test_plan_cost.py",
     "test_bench.py",
     "test_chunked_prefill.py",
-    "test_serve_robust.py",
     "test_prefix_cache_model.py",
-    "test_model.py",
-    "test_config.py",
-    "test_gpu_check.py",
+    "test_serve_robust.py",
     "test_rehearse.py",
+    "test_model.py",
+    "test_gpu_check.py",
+    "test_config.py",
     "test_repeat.py",
-    "test_serve_shutdown.py",
+    "test_verify.py",
     "test_training.py",
+    "test_serve_shutdown.py",
+    "test_plan_ops.py",
+    "test_serve_prefix.py",
+    "test_graphs.py",
+    "test_serve_anthropic.py",
+    "test_serve_fields.py",
+    "test_serve_responses.py",
     "test_golden.py",
+    "test_toolcalls.py",
     "test_generate.py",
+    "test_serve_tools.py",
+    "test_profile.py",
 )
 
 

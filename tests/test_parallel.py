@@ -1,6 +1,7 @@
-"""Tensor parallelism on the CPU (gloo): sharding rules in-process, and torchrun runs that must
-give exactly the single-process tokens, hold about 1/N of the weights per rank, and fail fast
-when a rank dies or freezes."""
+"""Tensor parallelism on the CPU (gloo): sharding rules in-process, and runs of several ranks
+(the CLIs under torchrun, the rest in its environment started by hand) that must give exactly
+the single-process tokens, hold about 1/N of the weights per rank, and fail fast when a rank
+dies or freezes."""
 
 from __future__ import annotations
 
@@ -98,8 +99,19 @@ def run_tp(n: int, model: Path, draft: Path, runs: list[dict], tmp: Path) -> lis
                                      "prompts": PROMPTS, "runs": runs}))
     out = tmp / "out"
     out.mkdir()
-    r = torchrun(n, str(TESTS / "tp_run.py"), str(spec_file), str(out))
-    assert r.returncode == 0, r.stderr[-4000:]
+    # NOTE: the ranks started by hand, without torchrun's agent (a process more on two cores):
+    # the CLIs' own tests below run under torchrun
+    procs = _launch_script(n, [str(TESTS / "tp_run.py"), str(spec_file), str(out)], tmp)
+    deadline = time.monotonic() + 300
+    while any(p.poll() is None for p, _ in procs):
+        failed = [err for p, err in procs if p.poll() not in (None, 0)]
+        if failed or time.monotonic() > deadline:
+            for p, _ in procs:
+                p.kill()
+            raise AssertionError((failed or [procs[0][1]])[0].read_text()[-4000:])
+        time.sleep(0.1)
+    for p, err in procs:
+        assert p.returncode == 0, err.read_text()[-4000:]
     return [json.loads((out / f"rank{k}.json").read_text()) for k in range(n)]
 
 
@@ -192,17 +204,22 @@ def test_generate_cli_under_torchrun(tmp_path):
 
 
 def _launch(n: int, args: list[str], tmp: Path) -> list[tuple[subprocess.Popen, Path]]:
-    """Start `n` ranks by hand (torchrun's environment, without its agent killing the others
-    when one dies), so the survivors' own behaviour is what the test sees."""
+    """Start `n` ranks of `engine.generate` by hand (torchrun's environment, without its agent
+    killing the others when one dies), so the survivors' own behaviour is what the test sees."""
+    return _launch_script(n, ["-m", "engine.generate", *args], tmp)
+
+
+def _launch_script(n: int, argv: list[str], tmp: Path) -> list[tuple[subprocess.Popen, Path]]:
+    """`n` ranks of `python argv...` in torchrun's environment; each one's stderr in a file."""
     port = str(_port())
     procs = []
     for r in range(n):
         env = _env() | {"RANK": str(r), "WORLD_SIZE": str(n), "LOCAL_RANK": str(r),
-                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
+                        "LOCAL_WORLD_SIZE": str(n), "MASTER_ADDR": "127.0.0.1",
+                        "MASTER_PORT": port}
         err = tmp / f"rank{r}.err"
-        procs.append((subprocess.Popen([sys.executable, "-m", "engine.generate", *args],
-                                       env=env, cwd=REPO, stdout=subprocess.DEVNULL,
-                                       stderr=err.open("w")), err))
+        procs.append((subprocess.Popen([sys.executable, *argv], env=env, cwd=REPO,
+                                       stdout=subprocess.DEVNULL, stderr=err.open("w")), err))
     return procs
 
 

@@ -1,4 +1,5 @@
-"""Run under torchrun by tests/test_parallel.py: several LLM runs across the tensor-parallel group.
+"""Run by tests/test_parallel.py on each of W ranks (torchrun's environment: RANK, WORLD_SIZE,
+MASTER_ADDR, MASTER_PORT): several LLM runs across the tensor-parallel group.
 
     torchrun --nproc-per-node W tests/tp_run.py SPEC.json OUT_DIR
 
