@@ -16,7 +16,6 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from torch._dynamo.utils import counters
 
 from engine.config import EngineConfig, SamplingParams
 from engine.cpu import INDEXED_MAX_PAIRS, ONE_THREAD_ROWS
@@ -35,6 +34,14 @@ from tests.graph_helpers import (
 )
 
 PROMPTS = [[5, 9, 300, 41, 7, 8, 2], [17] * 13, [600, 3, 90]]
+
+
+def _graphs() -> int:
+    """Graphs dynamo has compiled in this process (imported here: collecting this module in the
+    other test worker should not import dynamo)."""
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"]
 SAMPLED = [SamplingParams(temperature=0.9, top_k=40, top_p=0.95, seed=11),
            SamplingParams(temperature=1.2, seed=12),
            SamplingParams(max_new_tokens=32)]  # a greedy row inside a sampling batch
@@ -87,10 +94,10 @@ def turns(models):
 
     eager = play(runner_for(models, make_pool(models, 128), SHAPE, [2, 4]))
     runner = runner_for(models, make_pool(models, 128), SHAPE, [2, 4], compile=True)
-    before, graphs = counters["stats"]["unique_graphs"], []
+    before, graphs = _graphs(), []
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr("engine.cpu._compiled_step", lambda: step)
-        got = play(runner, lambda: graphs.append(counters["stats"]["unique_graphs"]))
+        got = play(runner, lambda: graphs.append(_graphs()))
     return SimpleNamespace(eager=eager, got=got, runner=runner, before=before,
                            after_first_round=graphs[0], step=step)
 
@@ -108,14 +115,14 @@ def test_one_graph_per_step_shape_whatever_the_width(turns, monkeypatch):
     runner = turns.runner
     built = runner.compiled.built
     assert {(size, s.sample) for size, s in built} == {(2, False), (4, True)}
-    assert turns.after_first_round == turns.before + 2 == counters["stats"]["unique_graphs"]
+    assert turns.after_first_round == turns.before + 2 == _graphs()
     (size, shape), = [(size, s) for size, s in built if size == 2]
     buf = runner.buffers[2].fit(shape)
     for k, v in PADDING.items():
         buf.inputs()[k][:] = v
     monkeypatch.setattr("engine.cpu._compiled_step", lambda: turns.step)
     runner.compiled.run(buf, shape, runner.max_pages)
-    assert counters["stats"]["unique_graphs"] == turns.before + 2, \
+    assert _graphs() == turns.before + 2, \
         "a new width compiled a second graph"
 
 
@@ -126,7 +133,7 @@ def test_a_lone_prompt_prefills_compiled_as_it_does_eagerly(models):
     eager = runner_for(models, make_pool(models), SHAPE, [4])
     runner = runner_for(models, make_pool(models), SHAPE, [4], compile=True)
     assert eager.compiled is None
-    before = counters["stats"]["unique_graphs"]
+    before = _graphs()
     for p, params in zip([[5], *PROMPTS], [SamplingParams(), *SAMPLED]):
         assert runner.compiled.prefills([p]) and not runner.compiled.prefills([p, p])
         inp = PrefillInputs(p, [1, 2, 3, 4], params, coin=0.3)
@@ -134,7 +141,7 @@ def test_a_lone_prompt_prefills_compiled_as_it_does_eagerly(models):
         for got, want in ((runner.pool.target, eager.pool.target),
                           (runner.pool.draft, eager.pool.draft)):
             assert (got - want).abs().max().item() < 1e-4
-    assert counters["stats"]["unique_graphs"] == before + 1  # one graph for every length
+    assert _graphs() == before + 1  # one graph for every length
     # its expert pass reads the chosen experts in place up to INDEXED_MAX_PAIRS pairs: a longer
     # prompt prefills eagerly rather than compile a second graph
     longest = INDEXED_MAX_PAIRS // models.target.cfg.num_experts_per_tok

@@ -10,6 +10,7 @@ is contacted."""
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import json
 import socket
 import time
@@ -19,7 +20,8 @@ from typing import Any
 import httpx
 import pytest
 
-anthropic = pytest.importorskip("anthropic")
+if importlib.util.find_spec("anthropic") is None:
+    pytest.skip("needs the anthropic SDK", allow_module_level=True)
 pytest.importorskip("fastapi")
 uvicorn = pytest.importorskip("uvicorn")
 
@@ -28,6 +30,13 @@ from engine.serve import ServeConfig  # noqa: E402
 from engine.serve.anthropic import MessagesRequest, error_body, to_chat  # noqa: E402
 from engine.serve.app import build_app, uvicorn_options  # noqa: E402
 from tests.test_serve import serving  # noqa: E402
+
+
+def sdk():
+    """The anthropic SDK, imported when a test first uses it (not while collecting)."""
+    import anthropic
+
+    return anthropic
 from tests.test_serve_tools import (  # noqa: E402
     SECTION_BEGIN,
     SECTION_END,
@@ -76,12 +85,12 @@ def base(real: tuple[Any, str, LLM]) -> str:
 
 @pytest.fixture(scope="module")
 def client(base: str) -> Any:
-    return anthropic.Anthropic(base_url=base, api_key=KEY, max_retries=0, timeout=60)
+    return sdk().Anthropic(base_url=base, api_key=KEY, max_retries=0, timeout=60)
 
 
 @pytest.fixture(scope="module")
 def scripted(url: str) -> Any:  # noqa: F811 - the scripted server's URL
-    return anthropic.Anthropic(base_url=url, api_key="x", max_retries=0, timeout=30)
+    return sdk().Anthropic(base_url=url, api_key="x", max_retries=0, timeout=30)
 
 
 def _post(base: str, body: Any, path: str = "/v1/messages", **headers: str) -> httpx.Response:
@@ -275,12 +284,12 @@ def test_bad_requests_in_anthropics_shape(base: str, name: str, body: dict[str, 
 
 
 def test_errors_through_the_sdk(client: Any, base: str) -> None:
-    with pytest.raises(anthropic.BadRequestError) as e:
+    with pytest.raises(sdk().BadRequestError) as e:
         client.messages.create(model=NAME, max_tokens=4, messages=HELLO,
                                extra_body={"top_p": 0})
     assert e.value.status_code == 400 and e.value.body["error"]["type"] == "invalid_request_error"
     assert "top_p" in e.value.body["error"]["message"]
-    with pytest.raises(anthropic.NotFoundError) as e:
+    with pytest.raises(sdk().NotFoundError) as e:
         client.messages.create(model="claude-sonnet-4", max_tokens=4, messages=HELLO)
     assert e.value.body["error"]["type"] == "not_found_error"
     assert "claude-sonnet-4" in e.value.body["error"]["message"]
@@ -291,11 +300,11 @@ def test_errors_through_the_sdk(client: Any, base: str) -> None:
 
 def test_the_key_as_x_api_key_or_bearer(base: str) -> None:
     kw = {"model": NAME, "max_tokens": 2, "messages": HELLO}
-    assert anthropic.Anthropic(base_url=base, api_key=KEY, max_retries=0).messages.create(**kw)
-    bearer = anthropic.Anthropic(base_url=base, auth_token=KEY, max_retries=0)
+    assert sdk().Anthropic(base_url=base, api_key=KEY, max_retries=0).messages.create(**kw)
+    bearer = sdk().Anthropic(base_url=base, auth_token=KEY, max_retries=0)
     assert bearer.messages.count_tokens(model=NAME, messages=HELLO).input_tokens > 0
-    with pytest.raises(anthropic.AuthenticationError) as e:
-        anthropic.Anthropic(base_url=base, api_key="wrong", max_retries=0).messages.create(**kw)
+    with pytest.raises(sdk().AuthenticationError) as e:
+        sdk().Anthropic(base_url=base, api_key="wrong", max_retries=0).messages.create(**kw)
     assert e.value.body["error"]["type"] == "authentication_error"
     assert "x-api-key" in e.value.body["error"]["message"]
     r = httpx.post(base + "/v1/messages", json=kw, timeout=10)
