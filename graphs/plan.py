@@ -223,6 +223,12 @@ def weight_bytes(models: Models) -> dict[str, int]:
     return dict(got)
 
 
+def rank_weight_bytes(weights: dict[str, int]) -> int:
+    """The bytes one rank holds of `weight_bytes`' models (its shards, and the vision tower
+    whole)."""
+    return sum(weights.get(k, 0) for k in ("target", "drafter", "vision"))
+
+
 def _weight_bytes(models: Models) -> dict[str, int]:
     out: dict[str, int] = defaultdict(int)
     for name, m in (("target", models.target), ("drafter", models.drafter),
@@ -804,7 +810,7 @@ class Sizing:
 
     @property
     def per_rank(self) -> int:
-        return sum(self.weights.get(k, 0) for k in ("target", "drafter", "vision"))
+        return rank_weight_bytes(self.weights)
 
 
 def sizing(a: argparse.Namespace, models: Models, dtype: torch.dtype, gpu_memory: int,
@@ -819,9 +825,8 @@ def sizing(a: argparse.Namespace, models: Models, dtype: torch.dtype, gpu_memory
     max_pages = pages_needed(max_len + widest.max_emit, a.page_size)
     chunk = cuda_prefill_chunk(a)
     weights = weight_bytes(models)
-    per_rank = sum(weights.get(k, 0) for k in ("target", "drafter", "vision"))
     kv_token = models.kv_bytes_per_token(dtype)
-    used = per_rank + a.reserve
+    used = rank_weight_bytes(weights) + a.reserve
     budget = int(gpu_memory * a.gpu_memory_utilization)
     flag = f"--gpu-memory-utilization {a.gpu_memory_utilization} of {_gb(gpu_memory)}"
     reserve, pool, err = engine_pool(
@@ -950,35 +955,33 @@ def rehearsal(a: argparse.Namespace, models: Models, group: CountingGroup | None
     steps = [(bs, name, s, False) for bs in sizes for name, s in step_kinds(runner, bs)]
     steps += [(bs, name, s, True) for bs in sizes for name, s in late_kinds(runner, bs)]
     layers = models.target.model.layers
-    with frozen_heap():
-        phases = [{**_phase(f"step {name}", "step", bs, None, None, extrapolated(
-            layers, partial(rehearse_step, mode, runner, bs, s), a.every_layer,
-            REHEARSE_SAMPLED)), "late": late}
-            for bs, name, s, late in tqdm(steps, desc="rehearsing steps")]
-        prefills = []
-        for want in a.prompt_lens:
-            n = min(want, z.max_len - 1)
-            try:
-                prefills.append((want, n, *extrapolated(layers, partial(
-                    rehearse_prefill, mode, runner, prompt_len=n, chunk=z.chunk,
-                    num_pages=z.pool.num_pages, max_model_len=z.max_len, progress=True),
-                    a.every_layer, REHEARSE_SAMPLED)))
-            except RequestRejected as e:
-                prefills.append((want, n, e, 0))
-    # NOTE: one pool holds every graph, those captured while serving too (largest first at
-    # start; a late one reuses the blocks the others leave free while it is captured)
-    graphs = max(p["activation_bytes"] for p in phases)
-    at_start = max(p["activation_bytes"] for p in phases if not p["late"])
+
+    def counted(run: Any) -> Any:
+        return extrapolated(layers, run, a.every_layer, REHEARSE_SAMPLED)
+
     notes: list[str] = []
     rejected: list[str] = []  # prompts the scheduler refuses (the pool is too small for them)
-    for want, n, tally, chunks in prefills:
-        if n < want:
-            notes.append(f"--prompt-lens {want:,}: {n:,} tokens, the longest prompt the engine "
-                         f"admits at --max-model-len {z.max_len:,}")
-        if isinstance(tally, RequestRejected):
-            rejected.append(f"a {n:,}-token prompt: {tally}")
-            continue
-        phases.append(_phase(f"prefill {n}", "prefill", 1, n, chunks, tally))
+    with frozen_heap():
+        phases = [{**_phase(f"step {name}", "step", bs, None, None,
+                            counted(partial(rehearse_step, mode, runner, bs, s))), "late": late}
+                  for bs, name, s, late in tqdm(steps, desc="rehearsing steps")]
+        # NOTE: one pool holds every graph, those captured while serving too (largest first at
+        # start; a late one reuses the blocks the others leave free while it is captured)
+        graphs = max(p["activation_bytes"] for p in phases)
+        at_start = max(p["activation_bytes"] for p in phases if not p["late"])
+        for want in a.prompt_lens:
+            n = min(want, z.max_len - 1)
+            if n < want:
+                notes.append(f"--prompt-lens {want:,}: {n:,} tokens, the longest prompt the "
+                             f"engine admits at --max-model-len {z.max_len:,}")
+            try:
+                tally, chunks = counted(partial(
+                    rehearse_prefill, mode, runner, prompt_len=n, chunk=z.chunk,
+                    num_pages=z.pool.num_pages, max_model_len=z.max_len, progress=True))
+            except RequestRejected as e:
+                rejected.append(f"a {n:,}-token prompt: {e}")
+                continue
+            phases.append(_phase(f"prefill {n}", "prefill", 1, n, chunks, tally))
     static = {"cuda_context": a.reserve, "weights": z.per_rank, "kv_pool": z.pool.pool_bytes,
               "step_buffers": buffer_bytes(runner), "graphs_pool": graphs}
     leaves_out = [

@@ -141,28 +141,18 @@ def has_vision_weights(path: str | Path) -> bool:
 
 
 def vision_weight_bytes(path: str | Path) -> int:
-    """Bytes of the checkpoint's tower and projector tensors as stored (read from the
+    """Bytes of the checkpoint's tower and projector tensors as stored (their spans in the
     safetensors headers): what every rank holds whole, not a 1/tp share."""
-    from safetensors import safe_open
-
     by_file: dict[str, list[str]] = {}
     for name, f in checkpoint_index(path).items():
         if name.startswith(("vision_tower.", "mm_projector.")):
             by_file.setdefault(f, []).append(name)
     total = 0
     for f, names in by_file.items():
-        with safe_open(f, framework="pt") as st:
-            for name in names:
-                piece = st.get_slice(name)
-                n = 1
-                for d in piece.get_shape():
-                    n *= d
-                total += n * _DTYPE_BYTES[piece.get_dtype()]
+        with open(f, "rb") as fh:
+            header = json.loads(fh.read(int.from_bytes(fh.read(8), "little")))
+        total += sum(header[n]["data_offsets"][1] - header[n]["data_offsets"][0] for n in names)
     return total
-
-
-_DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "I64": 8,
-                "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
 
 
 # ---- the tower -----------------------------------------------------------------------------------
