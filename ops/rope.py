@@ -19,8 +19,12 @@ def rope_frequencies(
     YaRN follows DeepSeek-V3: frequencies blended by a linear ramp between the correction dims
     of `beta_fast` and `beta_slow` rotations over the original context, amplitude
     `m(f, mscale) / m(f, mscale_all_dim)` (an explicit `attention_factor` overrides it).
+
+    Computed on the CPU whatever the default device: under a meta device (a model built before
+    its weights load) `arange` runs torch's Python reference, whose first call imports dynamo,
+    1.5 s of every engine's start.
     """
-    extra = 1.0 / theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+    extra = 1.0 / theta ** (torch.arange(0, dim, 2, dtype=torch.float32, device="cpu") / dim)
     if not scaling:
         return extra, 1.0
     kind = scaling.get("type")
@@ -45,7 +49,7 @@ def rope_frequencies(
     low, high = max(low, 0), min(high, dim - 1)
     if low == high:
         high += 0.001
-    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32, device="cpu") - low) / (high - low)).clamp(0, 1)
     inv_freq = (extra / factor) * ramp + extra * (1 - ramp)
     amp = scaling.get("attention_factor")
     if amp is None:
