@@ -6,14 +6,15 @@ have, and report what the compiler made of each.
 
 The launches are the engine's own: each launcher (`ops.moe_triton`'s expert GEMMs,
 `ops.attention_triton`'s paged MLA prefix and drafter attention, `ops.prefill_triton`'s MHA
-prefill when present) runs on meta tensors of one rank's shapes, steps and prefill chunks, with
-its `kernel_for` swapped for a recorder, so the constexprs, warps and stages recorded are the
+prefill when present, `ops.norm_triton`'s RMSNorm at each norm's width) runs on meta tensors of
+one rank's shapes, steps and prefill chunks, with its `kernel_for` swapped for a recorder, so the constexprs, warps and stages recorded are the
 ones a CUDA run passes. Each distinct configuration is then specialized as Triton's launcher
 would (its binder: 16-byte-aligned pointers, integer hints) and compiled with Triton's own
 compiler for the target (`GPUTarget("cuda", 90, 32)` for sm_90a) and `ptxas -v` on the PTX. Each
 row: `{"name", "use", "config", "mma", "registers", "spills", "shared_bytes"}` where `use` is
-"step" or "prefill" and "attention" or "experts", and `mma` is "wgmma" (Hopper's warpgroup MMA
-in the PTX), "mma.sync" or "none". Needs Triton's NVIDIA backend (its bundled ptxas), no GPU.
+"step" or "prefill" and "attention" or "experts" (or "norm": one configuration a width serves
+steps and prefill alike), and `mma` is "wgmma" (Hopper's warpgroup MMA in the PTX), "mma.sync"
+or "none". Needs Triton's NVIDIA backend (its bundled ptxas), no GPU.
 """
 
 from __future__ import annotations
@@ -77,10 +78,11 @@ class _Recorder:
 def recording() -> Iterator[_Recorder]:
     """Swap the Triton launchers' `kernel_for` for a recorder while the block runs."""
     import ops.attention_triton as at
+    import ops.norm_triton as nt
     import ops.quant_triton as qt
 
     rec = _Recorder()
-    patched = [(qt, "kernel_for"), (at, "_kernel_for")]
+    patched = [(qt, "kernel_for"), (at, "_kernel_for"), (nt, "kernel_for")]
     try:
         import ops.prefill_triton as pt
         patched.append((pt, "kernel_for"))
@@ -206,6 +208,23 @@ def attention_launches(cfg: ModelConfig, draft: DraftConfig | None, tp: int, chu
     return out
 
 
+def norm_launches(cfg: ModelConfig, draft: DraftConfig | None) -> list[Launch]:
+    """The RMSNorm kernel's launches: one a width the engine normalizes (the hidden states, the
+    query and latent projections, the drafter's heads)."""
+    from ops.norm_triton import rms_norm_triton
+
+    widths = {cfg.hidden_size, cfg.kv_lora_rank, *([cfg.q_lora_rank] if cfg.q_lora_rank else []),
+              *([draft.head_dim] if draft is not None else [])}
+    out: list[Launch] = []
+    for H in sorted(widths):
+        with recording() as rec:
+            rms_norm_triton(_meta(4, H), _meta(H), 1e-6)
+        for la in rec.launches:
+            la.use, la.shapes = "norm", {"width": H}
+        out += rec.launches
+    return out
+
+
 def _type_name(v: Any) -> str:
     return getattr(v, "name", None) or str(v)
 
@@ -273,13 +292,15 @@ def audit(cfg: ModelConfig, draft: DraftConfig | None, tp: int, *, arch: str = "
     """Every distinct Triton kernel configuration the engine launches on one rank of `tp`
     (steps and `chunk`-token prefill chunks over `context` cached tokens), compiled for
     `arch`, one row each (see the module docstring); `only` keeps the rows whose `use` holds
-    it ("experts", "attention", "step", "prefill")."""
+    it ("experts", "attention", "step", "prefill", "norm")."""
     launches: list[Launch] = []
-    if only is None or "attention" not in only:
+    if only != "norm" and (only is None or "attention" not in only):
         steps = sorted({bs * rows for bs in STEP_BATCHES for rows in STEP_ROWS})
         launches += expert_launches(cfg, tp, {"step experts": steps, "prefill experts": [chunk]})
-    if only is None or "experts" not in only:
+    if only != "norm" and (only is None or "experts" not in only):
         launches += attention_launches(cfg, draft, tp, chunk, page_size, context)
+    if only is None or only == "norm":
+        launches += norm_launches(cfg, draft)
     rows: list[dict[str, Any]] = []
     seen: set[str] = set()
     for la in launches:
@@ -313,7 +334,8 @@ def main(argv: list[str] | None = None) -> int:
     rows = audit(cfg, draft, args.tp, arch=args.arch, chunk=args.chunk, only=args.only)
     for r in rows:
         c = r["config"]
-        tiles = "x".join(str(c[t]) for t in ("BLOCK_M", "BLOCK_N", "BLOCK_K") if t in c)
+        tiles = "x".join(str(c[t]) for t in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "BLOCK")
+                         if t in c)
         shape = " ".join(f"{t}={c[t]}" for t in ("N", "K", "DV", "G") if t in c)
         print(f"{r['name']:<22} {r['use']:<18} {shape:<14} {tiles:<11} warps "
               f"{c['num_warps']} stages {c['num_stages']}  {r['mma']:<8} regs "

@@ -83,7 +83,7 @@ from engine.memory import (
     parse_size,
 )
 from engine.models.dflash import DFlashDrafter
-from engine.models.kimi import KimiForCausalLM
+from engine.models.kimi import MM_FP32_OUT, KimiForCausalLM, Router
 from engine.models.layers import FP8, cast_parameters, checkpoint_tensors
 from engine.models.vision import KimiVision, VisionConfig
 from engine.policy import Policy, policy_path, write_tuned
@@ -154,6 +154,10 @@ MATMULS = frozenset({"mm", "bmm", "addmm", "baddbmm", "addbmm", "matmul", "linea
                      "_flash_attention_forward", "_efficient_attention_forward"})
 
 
+# Views torch does not mark as views (a matmul's output reshaped): metadata only, no kernel.
+FREE_VIEWS = frozenset({"_unsafe_view"})
+
+
 def op_unit(dtype: torch.dtype, matmul: bool) -> str:
     """The unit an op over `dtype` runs on: "fp8", "bf16" (16-bit floats), "tf32" (an fp32
     matmul torch lets use TF32), "fp32" (CUDA cores), or the dtype's name (no FLOPs)."""
@@ -201,6 +205,13 @@ def build(model: Path, draft: Path | None, tp: int, dtype: torch.dtype
         if m is not None:
             cast_parameters(m, dtype)
             m.requires_grad_(False)
+    if MM_FP32_OUT:
+        # NOTE: as the engine on CUDA narrows a router the checkpoint stores in the model's
+        # 16-bit dtype (Kimi's do; `KimiForCausalLM.from_dir`), so its logits multiply 16-bit
+        # inputs into fp32 on the tensor cores
+        for m in target.modules():
+            if isinstance(m, Router):
+                m.narrow_(dtype, check=False)
     return Models(target, drafter, tp=group, attention=PagedBackend(), vision=tower), group
 
 
@@ -299,7 +310,7 @@ class CostMode(TorchDispatchMode):
         self.bytes += nbytes
         n = launches(func, args, kwargs)
         self.launches += n
-        if func.is_view:
+        if func.is_view or name in FREE_VIEWS:
             return out
         if self.counter is not None:
             flops = self._counted() - counted
@@ -322,7 +333,7 @@ class CostMode(TorchDispatchMode):
     def _cost(self, ns: str, name: str, func: Any, args: Any, out: Any) -> int:
         if ns == "kimi":
             return self._kimi(name, args, out, func)
-        if func.is_view:
+        if func.is_view or name in FREE_VIEWS:
             return 0
         if name in ("embedding", "index_select", "gather", "index", "take_along_dim"):
             return _bytes(out) + sum(_bytes(a) for a in args[1:])

@@ -15,6 +15,8 @@
   prefill pass (`ops.prefill.MHAPass`: a chunk's queries over its own causal square or one
   up-projected prefix chunk, merged with the previous pass's result) -> output fp32 and LSE
   (`ops.prefill_triton` on CUDA, `ops.prefill.mha_attention` elsewhere).
+- `torch.ops.kimi.rms_norm(x, weight, eps)`: RMSNorm of 16-bit rows `x [..., H]` as one kernel
+  (`ops.norm_triton` on CUDA, `ops.norm.rms_norm` elsewhere).
 
 Shapes: `x [T, H]`, `idx/w [T, k]` (routing ids and weights; ids outside `[0, E)` are
 dropped), `w13 [E, 2I, H]` (gate rows then up rows), `w2 [E, H, I]`, packed as in
@@ -53,6 +55,7 @@ from ops.moe import (
     experts_aligned_w4a16,
     moe_flops,
 )
+from ops.norm import rms_norm as rms_norm_torch
 from ops.prefill import mha_attention, mha_flops
 from ops.quant import fp8_linear_torch
 
@@ -282,3 +285,20 @@ def _mha_prefill_flop(q_shape, k_nope_shape, k_pe_shape, v_shape, scale: float, 
                       prev_o_shape=None, prev_lse_shape=None, *, out_shape=None, **kwargs) -> int:
     B, T, H, dqk = q_shape
     return mha_flops(B, T, k_nope_shape[1], H, dqk, v_shape[-1], causal)
+
+
+@torch.library.custom_op("kimi::rms_norm", mutates_args=())
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """RMSNorm of `x [..., H]` with `weight [H]` (`ops.norm.rms_norm`), in x's dtype."""
+    if _use_triton(x) and weight.dtype == x.dtype != torch.float32:
+        from ops.norm_triton import rms_norm_triton
+
+        return rms_norm_triton(x, weight, eps)
+    return rms_norm_torch(x, weight, eps)
+
+
+@rms_norm.register_fake
+def _rms_norm_fake(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    torch._check(tuple(weight.shape) == (x.shape[-1],),
+                 lambda: f"weight {tuple(weight.shape)} must be [{x.shape[-1]}]")
+    return torch.empty_like(x, dtype=torch.promote_types(x.dtype, weight.dtype))

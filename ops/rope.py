@@ -49,7 +49,8 @@ def rope_frequencies(
     low, high = max(low, 0), min(high, dim - 1)
     if low == high:
         high += 0.001
-    ramp = ((torch.arange(dim // 2, dtype=torch.float32, device="cpu") - low) / (high - low)).clamp(0, 1)
+    half = torch.arange(dim // 2, dtype=torch.float32, device="cpu")
+    ramp = ((half - low) / (high - low)).clamp(0, 1)
     inv_freq = (extra / factor) * ramp + extra * (1 - ramp)
     amp = scaling.get("attention_factor")
     if amp is None:

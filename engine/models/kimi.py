@@ -86,16 +86,17 @@ class Router(nn.Module):
         # NOTE: the correction bias only selects experts; it stays fp32 whatever the model dtype.
         self.register_buffer("e_score_correction_bias", torch.zeros(cfg.n_routed_experts))
 
-    def narrow_(self, dtype: torch.dtype) -> bool:
+    def narrow_(self, dtype: torch.dtype, check: bool = True) -> bool:
         """Keep the weight in the 16-bit `dtype` if it holds exactly that dtype's values (a
         checkpoint that stores its router in bf16, as Kimi's does), so `router_logits` runs
         16-bit inputs into fp32; returns whether it did. Reads the weight on the host: once,
-        at load."""
+        at load. Without `check` (a model on the meta device, which has no values) it narrows
+        as a checkpoint storing the router in `dtype` would."""
         w = self.weight.data
         if dtype not in (torch.bfloat16, torch.float16) or w.dtype != torch.float32:
             return False
         narrow = w.to(dtype)
-        if not torch.equal(narrow.float(), w):
+        if check and not torch.equal(narrow.float(), w):
             return False
         self.weight = nn.Parameter(narrow, requires_grad=False)
         return True
