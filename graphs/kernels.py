@@ -5,16 +5,16 @@ have, and report what the compiler made of each.
         --tp 8 --arch sm_90a --json kernels.json
 
 The launches are the engine's own: each launcher (`ops.moe_triton`'s expert GEMMs,
-`ops.attention_triton`'s paged MLA prefix and drafter attention, `ops.prefill_triton`'s MHA
-prefill when present, `ops.norm_triton`'s RMSNorm at each norm's width) runs on meta tensors of
-one rank's shapes, steps and prefill chunks, with its `kernel_for` swapped for a recorder, so the constexprs, warps and stages recorded are the
-ones a CUDA run passes. Each distinct configuration is then specialized as Triton's launcher
-would (its binder: 16-byte-aligned pointers, integer hints) and compiled with Triton's own
-compiler for the target (`GPUTarget("cuda", 90, 32)` for sm_90a) and `ptxas -v` on the PTX. Each
-row: `{"name", "use", "config", "mma", "registers", "spills", "shared_bytes"}` where `use` is
-"step" or "prefill" and "attention" or "experts" (or "norm": one configuration a width serves
-steps and prefill alike), and `mma` is "wgmma" (Hopper's warpgroup MMA in the PTX), "mma.sync"
-or "none". Needs Triton's NVIDIA backend (its bundled ptxas), no GPU.
+`ops.attention_triton`'s paged MLA prefix and drafter attention, `ops.prefill_triton`'s MHA prefill
+when present, `ops.norm_triton`'s RMSNorm at each norm's width) runs on meta tensors of one rank's
+shapes, steps and prefill chunks, with its `kernel_for` swapped for a recorder, so the constexprs,
+warps and stages recorded are the ones a CUDA run passes. Each distinct configuration is then
+specialized as Triton's launcher would (its binder: 16-byte-aligned pointers, integer hints) and
+compiled with Triton's own compiler for the target (`GPUTarget("cuda", 90, 32)` for sm_90a) and
+`ptxas -v` on the PTX. Each row: `{"name", "use", "config", "mma", "registers", "spills",
+"shared_bytes"}` where `use` is "step" or "prefill" and "attention" or "experts" (or "norm": one
+configuration a width serves steps and prefill alike), and `mma` is "wgmma" (Hopper's warpgroup MMA
+in the PTX), "mma.sync" or "none". Needs Triton's NVIDIA backend (its bundled ptxas), no GPU.
 """
 
 from __future__ import annotations

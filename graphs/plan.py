@@ -104,7 +104,7 @@ from graphs.rehearse import (
     step_kinds,
 )
 from graphs.repeat import extrapolated
-from ops.moe import expert_block, moe_bytes, moe_flops
+from ops.moe import expected_aligned_rows, expert_block, moe_bytes, moe_flops
 from ops.paged_grid import launch_shape, programs_with_work
 from ops.quant import fp8_linear_bytes
 
@@ -350,13 +350,15 @@ class CostMode(TorchDispatchMode):
             # the alignment block the kernels take: the op's, else theirs for T tokens
             at = [a.name for a in func._schema.arguments].index("block")
             block = expert_block(T, args[at] if len(args) > at else 0)
-            useful, executed = moe_flops(T, k, E, H, i2 // 2, block)
-            self.padding_flops += executed - useful
-            self._flops = executed - useful  # the op runs its blocks' padding too
+            # the kernels run the blocks in use, padding included: their expected rows
+            rows = expected_aligned_rows(T, k, E, block)
+            useful, _ = moe_flops(T, k, E, H, i2 // 2, block)
+            self._flops = (rows - T * k) * (useful // (T * k)) if T * k else 0
+            self.padding_flops += self._flops
             kind = "int4" if name.endswith("w4a16") else {1: "fp8", 2: "bf16", 4: "fp32"}[
                 args[3].element_size()]
             return moe_bytes(T, k, E, H, i2 // 2, weights=kind, act_bytes=x.element_size(),
-                             block=block)["total"]
+                             block=block, rows=rows)["total"]
         if name == "fp8_linear":
             x, w = args[0], args[1]
             return fp8_linear_bytes(math.prod(x.shape[:-1]), w.shape[0], w.shape[1],

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -416,6 +417,26 @@ def moe_flops(T: int, k: int, E: int, H: int, I: int, block: int) -> tuple[int, 
     return T * k * per_row, moe_align_capacity(T * k, E, block) * per_row
 
 
+def expected_aligned_rows(T: int, k: int, E: int, block: int) -> int:
+    """Rows of the alignment in use (`num_padded`) on average when each of `T` tokens picks `k`
+    distinct experts of `E` uniformly: each expert receives `c ~ Binomial(T, k / E)` pairs,
+    padded up to a whole block, `E * E[ceil(c / block) * block]`. What the Triton grid computes
+    (it skips the blocks past `num_padded`), for a cost model: Kimi's router balances its
+    experts' loads (its correction bias); an uneven batch moves this little, each expert's
+    padding being under one block either way. At most `moe_align_capacity`, the worst case."""
+    if T <= 0 or k <= 0:
+        return 0
+    p = min(1.0, k / E)
+    if p == 1.0:
+        return E * _round_up(T, block)
+    c = torch.arange(T + 1, dtype=torch.float64)
+    log_pmf = (math.lgamma(T + 1) - torch.lgamma(c + 1) - torch.lgamma(T - c + 1)
+               + c * math.log(p) + (T - c) * math.log1p(-p))
+    padded = torch.div(c + block - 1, block, rounding_mode="floor") * block
+    rows = round(E * float((log_pmf.exp() * padded).sum()))
+    return min(rows, moe_align_capacity(T * k, E, block))
+
+
 def fused_workspace_bytes(T: int, k: int, H: int, inter: int, act_bytes: int) -> int:
     """Bytes the grouped Triton expert kernels (`ops.moe_triton._fused_experts`) allocate
     beside their output for `T` tokens of `k` experts each, hidden `H`, expert width `inter`:
@@ -427,15 +448,17 @@ def fused_workspace_bytes(T: int, k: int, H: int, inter: int, act_bytes: int) ->
 
 def moe_bytes(T: int, k: int, E: int, H: int, I: int, *, weights: str = "bf16",  # noqa: E741
               act_bytes: int = 2, group_size: int = 32, scale_bytes: int = 2,
-              scale_block: tuple[int, int] = (128, 128), block: int = 16) -> dict[str, int]:
+              scale_block: tuple[int, int] = (128, 128), block: int = 16,
+              rows: int | None = None) -> dict[str, int]:
     """Bytes the expert op moves, as stored, for a cost model.
 
     `weights`: "int4" (packed int32 words, 0.5 B a value, plus `scale_bytes` per group scale),
     "fp8" (1 B a value, plus an fp32 scale per `scale_block` block of each matrix), or "bf16" /
     "fp16" / "fp32". Weights are read for at most `min(E, T*k)` distinct experts, each once.
     `activations`: x read, output written, `idx` (int64) and `w` (fp32) read. `scratch`: the
-    Triton path's intermediate `[cap, I]` (x's dtype) and per-pair fp32 `[T*k, H]` rows, each
-    written once and read once. `total` is the sum of the three.
+    Triton path's intermediate `[rows, I]` (x's dtype; `rows` the alignment's rows in use,
+    default its capacity) and per-pair fp32 `[T*k, H]` rows, each written once and read once.
+    `total` is the sum of the three.
     """
     experts = min(E, T * k)
     if weights == "int4":
@@ -448,6 +471,8 @@ def moe_bytes(T: int, k: int, E: int, H: int, I: int, *, weights: str = "bf16", 
         per = 3 * I * H * {"bf16": 2, "fp16": 2, "fp32": 4}[weights]
     w_bytes = experts * per
     act = 2 * T * H * act_bytes + T * k * (8 + 4)
-    scratch = 2 * moe_align_capacity(T * k, E, block) * I * act_bytes + 2 * T * k * H * 4
+    if rows is None:
+        rows = moe_align_capacity(T * k, E, block)
+    scratch = 2 * rows * I * act_bytes + 2 * T * k * H * 4
     return {"experts": experts, "weights": w_bytes, "activations": act, "scratch": scratch,
             "total": w_bytes + act + scratch}

@@ -25,6 +25,7 @@ from engine.models.layers import ExpertBank
 from ops.moe import (
     dequant_experts_fp8,
     dequant_experts_int4,
+    expected_aligned_rows,
     expert_ranks,
     experts_aligned,
     experts_aligned_fp8,
@@ -118,6 +119,20 @@ def test_align_capacity_bounds() -> None:
     # The bound is reached: every expert holds exactly one pair.
     ids = torch.arange(8).view(4, 2)
     assert moe_align_block_size(ids, 8, 16)[2].item() == moe_align_capacity(8, 8, 16)
+
+
+@pytest.mark.parametrize("T,k,E,block", [(17, 8, 384, 16), (4096, 8, 384, 64), (40, 3, 8, 16)])
+def test_expected_rows_are_uniform_routings_mean(T: int, k: int, E: int, block: int) -> None:
+    """`expected_aligned_rows` (what the cost model charges the Triton grid) is the mean of
+    `num_padded` over routings where each token picks k distinct experts uniformly, to 1%;
+    between the pairs and the worst case; exact for one token (k experts, a block each)."""
+    g = torch.Generator().manual_seed(T)
+    got = [moe_align_block_size(torch.rand(T, E, generator=g).topk(k).indices, E, block)[2]
+           .item() for _ in range(40)]
+    want = expected_aligned_rows(T, k, E, block)
+    assert want == pytest.approx(sum(got) / len(got), rel=0.01)
+    assert T * k <= want <= moe_align_capacity(T * k, E, block)
+    assert expected_aligned_rows(1, k, E, block) == k * block
 
 
 def test_align_and_twins_under_fake_tensors() -> None:
