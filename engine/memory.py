@@ -136,8 +136,8 @@ def prefill_activation_bytes(mc: Any, *, tokens: int, tp: int, dtype_bytes: int)
     """One prefill forward's live activations over `tokens` tokens (a `ModelConfig`), estimated:
     every layer's cache rows (listed, then stacked), the naive MLA attention of one layer
     (queries, keys and values expanded per head, float32 scores), the widest MLP of one layer,
-    the grouped expert kernels' float32 scratch (a hidden row per token and chosen expert, and
-    their gate/up rows) and a few hidden-state copies in float32."""
+    the grouped expert kernels' scratch (a hidden row and an activation row per token and
+    chosen expert, `ops.moe.fused_workspace_bytes`) and a few hidden-state copies in float32."""
     heads = -(-mc.num_attention_heads // tp)
     rows = 2 * mc.num_hidden_layers * tokens * mc.kv_cache_dim * dtype_bytes
     attn = heads * tokens * (2 * mc.qk_head_dim + mc.v_head_dim) * dtype_bytes \
@@ -145,7 +145,7 @@ def prefill_activation_bytes(mc: Any, *, tokens: int, tp: int, dtype_bytes: int)
     moe = (mc.num_experts_per_tok + mc.n_shared_experts) * mc.moe_intermediate_size
     mlp = 3 * tokens * max(mc.intermediate_size // tp, moe) * dtype_bytes
     pairs = tokens * mc.num_experts_per_tok
-    scratch = pairs * (mc.hidden_size + 2 * -(-mc.moe_intermediate_size // tp)) * 4
+    scratch = pairs * (mc.hidden_size + -(-mc.moe_intermediate_size // tp)) * dtype_bytes
     hidden = 6 * tokens * mc.hidden_size * 4
     return rows + attn + mlp + scratch + hidden
 

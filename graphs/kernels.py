@@ -78,11 +78,12 @@ class _Recorder:
 def recording() -> Iterator[_Recorder]:
     """Swap the Triton launchers' `kernel_for` for a recorder while the block runs."""
     import ops.attention_triton as at
+    import ops.moe_triton as mt
     import ops.norm_triton as nt
     import ops.quant_triton as qt
 
     rec = _Recorder()
-    patched = [(qt, "kernel_for"), (at, "_kernel_for"), (nt, "kernel_for")]
+    patched = [(qt, "kernel_for"), (at, "_kernel_for"), (nt, "kernel_for"), (mt, "kernel_for")]
     try:
         import ops.prefill_triton as pt
         patched.append((pt, "kernel_for"))

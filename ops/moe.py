@@ -267,16 +267,16 @@ def _experts_over_blocks(
     load: Callable[[Tensor], tuple[Tensor, Tensor]], chunk: int,
 ) -> Tensor:
     """The expert bank over an alignment, one chunk of blocks at a time; `load(experts [C])`
-    gives that chunk's `(w13 [C, 2I, H], w2 [C, H, I])`. Mirrors the Triton kernels' rounding:
-    fp32 matmuls, `silu(g) * u` rounded to x's dtype once, routing weights in fp32, one `[T*k,
-    H]` fp32 row per pair, summed over the k slots in slot order."""
+    gives that chunk's `(w13 [C, 2I, H], w2 [C, H, I])`. Mirrors the Triton kernels' rounding
+    (transformers' too): fp32 matmuls, `silu(g) * u` rounded to x's dtype once, each pair's
+    expert output rounded to x's dtype, weighted by its routing weight in fp32 and summed over
+    the k slots in slot order (`weighted_slot_sum`)."""
     T, H = x.shape
     n = T * top_k
     nb = block_expert.shape[0]
-    # Padding entries hold n: they read the zero row T of x and the weight 0 at index n.
+    # Padding entries hold n: they read the zero row T of x and land in the spare row n of y.
     xp = torch.cat([x, x.new_zeros(1, H)])
-    wp = torch.cat([w.reshape(-1).float(), torch.zeros(1, dtype=torch.float32, device=x.device)])
-    y = torch.zeros(n + 1, H, dtype=torch.float32, device=x.device)
+    y = torch.zeros(n + 1, H, dtype=x.dtype, device=x.device)
     ids = sorted_ids.view(nb, block)
     for c0 in range(0, nb, chunk):
         ids_c = ids[c0:c0 + chunk]
@@ -285,9 +285,15 @@ def _experts_over_blocks(
         xs = xp[ids_c // top_k].float()  # [C, block, H]
         g, u = torch.bmm(xs, w13c.float().transpose(1, 2)).chunk(2, dim=-1)
         a = (F.silu(g) * u).to(x.dtype).float()  # [C, block, I]
-        o = torch.bmm(a, w2c.float().transpose(1, 2)) * wp[ids_c].unsqueeze(-1)
+        o = torch.bmm(a, w2c.float().transpose(1, 2)).to(x.dtype)
         y.index_add_(0, ids_c.reshape(-1), o.reshape(-1, H))
-    return y[:n].view(T, top_k, H).sum(1).to(x.dtype)
+    return weighted_slot_sum(y[:n].view(T, top_k, H), w)
+
+
+def weighted_slot_sum(y: Tensor, w: Tensor) -> Tensor:
+    """Each token's pair outputs `y [T, k, H]` weighted by `w [T, k]` and summed over the k
+    slots in fp32 -> `[T, H]` in y's dtype (the torch twin of `ops.moe_triton.slot_sum`)."""
+    return (y.float() * w.float().unsqueeze(-1)).sum(1).to(y.dtype)
 
 
 def experts_aligned(
@@ -440,10 +446,9 @@ def expected_aligned_rows(T: int, k: int, E: int, block: int) -> int:
 def fused_workspace_bytes(T: int, k: int, H: int, inter: int, act_bytes: int) -> int:
     """Bytes the grouped Triton expert kernels (`ops.moe_triton._fused_experts`) allocate
     beside their output for `T` tokens of `k` experts each, hidden `H`, expert width `inter`:
-    every (token, expert) pair's fp32 output row and its activation row in the input's dtype
-    (`act_bytes`; the gate and up GEMM applies SiLU in its epilogue, so no gate/up rows), and
-    the fp32 sum over the `k` slots."""
-    return T * k * (H * 4 + inter * act_bytes) + T * H * 4
+    every (token, expert) pair's output row and its activation row, both in the input's dtype
+    (`act_bytes`; the gate and up GEMM applies SiLU in its epilogue, so no gate/up rows)."""
+    return T * k * (H + inter) * act_bytes
 
 
 def moe_bytes(T: int, k: int, E: int, H: int, I: int, *, weights: str = "bf16",  # noqa: E741
@@ -457,7 +462,8 @@ def moe_bytes(T: int, k: int, E: int, H: int, I: int, *, weights: str = "bf16", 
     "fp16" / "fp32". Weights are read for at most `min(E, T*k)` distinct experts, each once.
     `activations`: x read, output written, `idx` (int64) and `w` (fp32) read. `scratch`: the
     Triton path's intermediate `[rows, I]` (x's dtype; `rows` the alignment's rows in use,
-    default its capacity) and per-pair fp32 `[T*k, H]` rows, each written once and read once.
+    default its capacity) and the per-pair output rows `[T*k, H]` (x's dtype), each written
+    once and read once.
     `total` is the sum of the three.
     """
     experts = min(E, T * k)
@@ -473,6 +479,6 @@ def moe_bytes(T: int, k: int, E: int, H: int, I: int, *, weights: str = "bf16", 
     act = 2 * T * H * act_bytes + T * k * (8 + 4)
     if rows is None:
         rows = moe_align_capacity(T * k, E, block)
-    scratch = 2 * rows * I * act_bytes + 2 * T * k * H * 4
+    scratch = 2 * rows * I * act_bytes + 2 * T * k * H * act_bytes
     return {"experts": experts, "weights": w_bytes, "activations": act, "scratch": scratch,
             "total": w_bytes + act + scratch}

@@ -17,13 +17,15 @@ pair's row):
    a tile of gate columns and the matching up columns, and its epilogue applies `silu(gate) *
    up` in fp32, rounded once to x's dtype as the twin rounds -> `[T*k, I]` at the pair's row
    (no fp32 gate/up rows in memory).
-2. Those rows (the pair's own, `top_k = 1`) times `w2 [E, H, I]`, times the pair's routing
-   weight -> the fp32 `y [T*k, H]` at the pair's row (each pair appears once in the alignment,
-   so no atomics); `y.view(T, k, H).sum(1)` then reduces the k slots in slot order,
-   deterministically. NOTE: a token's k pairs sit in k different experts' blocks, so reducing
-   them in place inside the kernel needs float atomics, whose order (and so the output's bits)
-   would change from run to run; the per-pair rows keep the result reproducible and equal to
-   the twin's summation order.
+2. Those rows (the pair's own, `top_k = 1`) times `w2 [E, H, I]` -> the pair's expert output
+   rounded to x's dtype, `y [T*k, H]` at the pair's row (each pair appears once in the
+   alignment, so no atomics): transformers' `expert(x)`, rounded where it rounds.
+3. `_slot_sum_kernel`: each token's `sum_j w[t, j] * y[t, j]` in fp32, the k slots in slot
+   order, rounded once to x's dtype: transformers' weighted sum of its experts' outputs. NOTE:
+   a token's k pairs sit in k different experts' blocks, so reducing them inside the GEMM
+   needs float atomics, whose order (and so the output's bits) would change from run to run;
+   the per-pair rows (in x's dtype: half the traffic of fp32 ones) keep the result
+   reproducible and equal to the twin's.
 
 The launch configuration follows the tokens (`ops.moe.expert_tiles`, unless `block` or `tiles`
 pins it): 16-row blocks on the 2-D grid `(cap // block, cdiv(N, BLOCK_N))` for passes of up to
@@ -43,11 +45,45 @@ Kernel details (tiles, constexpr shapes) are in `ops.quant_triton`, the interpre
 from __future__ import annotations
 
 import torch
+import triton
+import triton.language as tl
 from torch import Tensor
 
 from ops.moe import ExpertTiles, expert_tiles, moe_align_block_size
 from ops.paged_grid import pow2_tile
 from ops.quant_triton import dequant_gemm
+from ops.triton_util import kernel_for, rne_bf16
+
+SLOT_BLOCK = 1024  # hidden columns a program of `_slot_sum_kernel` sums
+
+
+@triton.jit
+def _slot_sum_kernel(y_ptr, w_ptr, out_ptr, H, K: tl.constexpr, BLOCK: tl.constexpr,
+                     RNE: tl.constexpr):
+    """`out[t, cols] = sum_j w[t, j] * y[t * K + j, cols]` in fp32, j in order, rounded once."""
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < H
+    acc = tl.full([BLOCK], 0.0, tl.float32)
+    for j in range(K):
+        wj = tl.load(w_ptr + t * K + j).to(tl.float32)
+        acc += wj * tl.load(y_ptr + (t * K + j) * H + cols, mask=ok, other=0.0).to(tl.float32)
+    if RNE:
+        u = acc.to(tl.uint32, bitcast=True)
+        acc = ((u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)
+    tl.store(out_ptr + t * H + cols, acc.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def slot_sum(y: Tensor, w: Tensor, dtype: torch.dtype) -> Tensor:
+    """`y [T, k, H]` (contiguous) weighted by `w [T, k]` and summed over the k slots in fp32 ->
+    `[T, H]` in `dtype`: `ops.moe.weighted_slot_sum` in one launch."""
+    T, k, H = y.shape
+    out = torch.empty(T, H, dtype=dtype, device=y.device)
+    if T and H:
+        block = min(SLOT_BLOCK, triton.next_power_of_2(H))
+        kernel_for(_slot_sum_kernel, y.device)[(T, triton.cdiv(H, block))](
+            y, w.float().contiguous(), out, H, K=k, BLOCK=block, RNE=rne_bf16(dtype, y.device))
+    return out
 
 
 def _fused_experts(
@@ -69,9 +105,9 @@ def _fused_experts(
         raise ValueError(f"block must be at least 16 for tl.dot, got {block}")
     align = moe_align_block_size(idx, w13.shape[0], block)
     n = T * k
-    y = torch.zeros(n, H, dtype=torch.float32, device=x.device)
+    y = torch.zeros(n, H, dtype=x.dtype, device=x.device)
     if align[0].shape[0] == 0:
-        return y.view(T, k, H).sum(1).to(x.dtype)
+        return slot_sum(y.view(T, k, H), w, x.dtype)
 
     def gemm(a: Tensor, wt: Tensor, scale: Tensor | None, out: Tensor, gated: bool = False,
              **rows) -> None:
@@ -85,8 +121,8 @@ def _fused_experts(
 
     h = torch.empty(n, inter, dtype=x.dtype, device=x.device)
     gemm(x, w13, s13, h, top_k=k, gated=True)
-    gemm(h, w2, s2, y, routed=w.reshape(-1).contiguous())
-    return y.view(T, k, H).sum(1).to(x.dtype)
+    gemm(h, w2, s2, y)
+    return slot_sum(y.view(T, k, H), w, x.dtype)
 
 
 def moe_experts_triton(

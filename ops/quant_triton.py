@@ -21,7 +21,7 @@ is stored in C's dtype. Rows are either dense (row `m` of A into row `m` of C, g
 BLOCK_M), cdiv(N, BLOCK_N))`) or those of an expert alignment (`ops.moe.moe_align_block_size`,
 grid `(cap // block, cdiv(N, BLOCK_N))`, `ops.moe_triton` describes its use): each row tile is
 one block of one expert, row `r` the pair `p = sorted_ids[r]`, read from A's row `p // top_k`,
-optionally times the routing weight `p`, stored at C's row `p` (each pair once: no atomics);
+stored at C's row `p` (each pair once: no atomics);
 padding rows load zeros and store nothing, and blocks at or past `num_padded` exit at once.
 `GATED` (the experts' gate and up GEMM) reads gate rows and the matching up rows in one weight
 tile and stores `silu(gate) * up`; `GROUP_M > 1` flattens either grid and walks it GROUP_M row
@@ -54,11 +54,11 @@ from ops.triton_util import ieee_dots, kernel_for, rne_bf16
 
 @triton.jit
 def _dequant_gemm_kernel(
-    a_ptr, w_ptr, s_ptr, c_ptr, rw_ptr, ids_ptr, bexp_ptr, npad_ptr,
+    a_ptr, w_ptr, s_ptr, c_ptr, ids_ptr, bexp_ptr, npad_ptr,
     M, top_k, m_blocks,
     s_am, s_ak, s_we, s_wn, s_wk, s_se, s_sn, s_sk, s_cm, s_cn,
     N: tl.constexpr, K: tl.constexpr, WEIGHT: tl.constexpr,
-    SCALE_N: tl.constexpr, SCALE_K: tl.constexpr, ALIGNED: tl.constexpr, ROUTED: tl.constexpr,
+    SCALE_N: tl.constexpr, SCALE_K: tl.constexpr, ALIGNED: tl.constexpr,
     GATED: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     IEEE: tl.constexpr, RNE_W: tl.constexpr, RNE_C: tl.constexpr,
@@ -135,8 +135,6 @@ def _dequant_gemm_kernel(
         # silu(gate) * up in fp32, rounded once to C's dtype below (as the twin rounds).
         gate, up = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N)), (0, 2, 1)))
         acc = gate / (1.0 + tl.exp(-gate)) * up
-    if ROUTED:
-        acc = acc * tl.load(rw_ptr + dst, mask=live, other=0.0).to(tl.float32)[:, None]
     if RNE_C:
         uc = acc.to(tl.uint32, bitcast=True)
         acc = ((uc + 0x7FFF + ((uc >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)
@@ -147,7 +145,7 @@ def _dequant_gemm_kernel(
 def dequant_gemm(
     a: Tensor, w: Tensor, out: Tensor, *, weight: str = "plain", scale: Tensor | None = None,
     scale_block: tuple[int, int] = (1, 1), align: tuple[Tensor, Tensor, Tensor] | None = None,
-    top_k: int = 1, routed: Tensor | None = None, gated: bool = False,
+    top_k: int = 1, gated: bool = False,
     tiles: tuple[int, int, int], group_m: int = 1, num_warps: int = 4, num_stages: int = 3,
 ) -> None:
     """Launch `_dequant_gemm_kernel` into `out [M, N]` for `a [rows, K]` and the weight `w
@@ -157,7 +155,7 @@ def dequant_gemm(
 
     Dense (`align is None`, `E = 1`): `out[m] = a[m] @ W.T`. Aligned (`align = (sorted_ids,
     block_expert, num_padded)` of `M` pairs, `BLOCK_M` its block): `out[p] = a[p // top_k] @
-    W_e.T` (times `routed[p]` when given) for each pair `p` in a block of expert `e`; rows of
+    W_e.T` for each pair `p` in a block of expert `e`; rows of
     `out` that belong to no block are left as they were. `gated`: the weight holds `2N` rows,
     gate rows then up rows, and `out[:, n] = silu(gate_n) * up_n` (computed in fp32, rounded
     once to out's dtype): a program computes BLOCK_N gate and the matching up columns.
@@ -168,7 +166,6 @@ def dequant_gemm(
     M, N = out.shape
     # Stand-ins for pointers a launch never reads: any tensor will do.
     s = scale if scale is not None else w
-    rw = routed if routed is not None else out
     if align is None:
         ids = bexp = npad = out
         m_blocks = triton.cdiv(M, bm)
@@ -178,11 +175,11 @@ def dequant_gemm(
     n_blocks = triton.cdiv(N, bn)
     grid = (m_blocks, n_blocks) if group_m == 1 else (m_blocks * n_blocks,)
     kernel_for(_dequant_gemm_kernel, a.device)[grid](
-        a, w, s, out, rw, ids, bexp, npad, M, top_k, m_blocks,
+        a, w, s, out, ids, bexp, npad, M, top_k, m_blocks,
         a.stride(0), a.stride(1), w.stride(0), w.stride(1), w.stride(2),
         s.stride(0), s.stride(1), s.stride(2), out.stride(0), out.stride(1),
         N=N, K=a.shape[1], WEIGHT=weight, SCALE_N=scale_block[0], SCALE_K=scale_block[1],
-        ALIGNED=align is not None, ROUTED=routed is not None, GATED=gated, BLOCK_M=bm,
+        ALIGNED=align is not None, GATED=gated, BLOCK_M=bm,
         BLOCK_N=bn, BLOCK_K=bk, GROUP_M=group_m, IEEE=ieee_dots(a.dtype, a.device),
         RNE_W=rne_bf16(a.dtype, a.device), RNE_C=rne_bf16(out.dtype, out.device),
         num_warps=num_warps, num_stages=num_stages,

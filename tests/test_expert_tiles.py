@@ -151,10 +151,13 @@ def _launches(T: int) -> list:
 def test_default_launch_takes_the_table_by_tokens() -> None:
     """Without a block, the launcher takes `expert_tiles(T)`: a step's 16-row blocks on the
     2-D grid, a chunk's 64-row blocks on the swizzled flat grid with 8 warps and 3 stages;
-    the first GEMM fused (gated), the second weighted (routed)."""
+    the first GEMM fused (gated), the second plain, then the weighted sum over the slots."""
     for T, tiles in ((8, STEP), (2048, expert_tiles(2048))):
-        got = [kernels.config_of(la) for la in _launches(T)]
-        assert [(c["GATED"], c["ROUTED"]) for c in got] == [(True, False), (False, True)]
+        launches = _launches(T)
+        assert [la.kernel.__name__ for la in launches] == [
+            "_dequant_gemm_kernel", "_dequant_gemm_kernel", "_slot_sum_kernel"]
+        got = [kernels.config_of(la) for la in launches[:2]]
+        assert [c["GATED"] for c in got] == [True, False]
         for c in got:
             assert (c["BLOCK_M"], c["GROUP_M"], c["num_warps"], c["num_stages"]) == (
                 tiles.block_m, tiles.group_m, tiles.num_warps, tiles.num_stages)
@@ -164,14 +167,17 @@ def test_default_launch_takes_the_table_by_tokens() -> None:
 def test_audit_prefill_experts_use_wgmma_without_spills(tmp_path: Path) -> None:
     """`python -m graphs.kernels --only "prefill experts"` at K2.5's tp-8 shapes: both expert
     GEMMs of a 4,096-token chunk compile for sm_90a to wgmma, spill nothing and fit the
-    227 KB of shared memory; the JSON rows carry the documented fields."""
+    227 KB of shared memory, and so does the weighted sum over the slots (no MMA); the JSON
+    rows carry the documented fields."""
     out = tmp_path / "k.json"
     assert kernels.main(["--tp", "8", "--arch", "sm_90a", "--only", "prefill experts",
                          "--json", str(out)]) == 0
     rows = json.loads(out.read_text())
-    assert len(rows) == 2
-    assert {(r["config"]["GATED"], r["config"]["ROUTED"]) for r in rows} == {
-        (True, False), (False, True)}
+    assert [r["name"] for r in rows] == ["_dequant_gemm_kernel"] * 2 + ["_slot_sum_kernel"]
+    (total,) = rows[2:]
+    assert total["mma"] == "none" and total["spills"] == 0 and total["config"]["K"] == 8
+    rows = rows[:2]
+    assert {r["config"]["GATED"] for r in rows} == {True, False}
     for r in rows:
         assert {"name", "use", "config", "mma", "registers", "spills", "shared_bytes"} <= set(r)
         assert r["name"] == "_dequant_gemm_kernel" and r["use"] == "prefill experts"

@@ -39,6 +39,7 @@ from ops.moe import (
     moe_bytes,
     moe_flops,
     route_noaux_tc,
+    weighted_slot_sum,
 )
 from ops.quant import dequant_fp8_block, dequant_int4, pack_int4, quantize_fp8_block
 
@@ -47,9 +48,10 @@ try:
         moe_experts_fp8_triton,
         moe_experts_triton,
         moe_experts_w4a16_triton,
+        slot_sum,
     )
 except ImportError:  # triton is the optional `gpu` extra
-    moe_experts_triton = moe_experts_w4a16_triton = moe_experts_fp8_triton = None
+    moe_experts_triton = moe_experts_w4a16_triton = moe_experts_fp8_triton = slot_sum = None
 
 needs_triton = pytest.mark.skipif(moe_experts_triton is None, reason="needs triton")
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
@@ -133,6 +135,26 @@ def test_expected_rows_are_uniform_routings_mean(T: int, k: int, E: int, block: 
     assert want == pytest.approx(sum(got) / len(got), rel=0.01)
     assert T * k <= want <= moe_align_capacity(T * k, E, block)
     assert expected_aligned_rows(1, k, E, block) == k * block
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_slot_sum_equals_its_twin(dtype: torch.dtype) -> None:
+    """The weighted sum over the k slots: fp32 products added in slot order and rounded once
+    (bit for bit), over a width that is no whole tile and wider than one program's (1,024), a
+    zero weight and a zero row; the twin (torch's sum, another order) to its rounding."""
+    g = torch.Generator().manual_seed(3)
+    y = torch.randn(5, 8, 1100, generator=g).to(dtype)
+    w = torch.rand(5, 8, generator=g)
+    w[1, 3] = 0
+    y[2, 5] = 0
+    acc = torch.zeros(5, 1100)
+    for j in range(8):
+        acc = acc + w[:, j, None] * y[:, j].float()
+    got = slot_sum(y, w, dtype)
+    assert torch.equal(got, acc.to(dtype))
+    tol = 1e-6 if dtype == torch.float32 else 8e-3
+    torch.testing.assert_close(got, weighted_slot_sum(y, w), rtol=tol, atol=tol)
 
 
 def test_align_and_twins_under_fake_tensors() -> None:
@@ -555,7 +577,7 @@ def test_moe_bytes() -> None:
     per = 2 * inter * H // 2 + H * inter // 2 + 2 * (2 * inter * H // 32 + H * inter // 32)
     assert b["weights"] == 16 * per
     assert b["activations"] == 2 * T * H * 2 + T * k * 12
-    assert b["scratch"] == 2 * moe_align_capacity(T * k, E, 16) * inter * 2 + 2 * T * k * H * 4
+    assert b["scratch"] == 2 * moe_align_capacity(T * k, E, 16) * inter * 2 + 2 * T * k * H * 2
     assert b["total"] == b["weights"] + b["activations"] + b["scratch"]
     assert moe_bytes(1, 8, 4, H, inter, weights="bf16")["weights"] == 4 * 3 * inter * H * 2
     # FP8: a byte a value and an fp32 scale per 128 x 128 block (Kimi K2's TP-8 expert shard)
