@@ -1,6 +1,8 @@
 """Tensor-parallel process groups on torch.distributed (NCCL on GPUs, gloo on the CPU), launched
 by torchrun: the collectives the sharded layers call, the leader's control channel, liveness,
-and per-collective counters. Nothing here knows about models or scheduling.
+and per-collective counters. Nothing here knows about models or scheduling. CPU ranks that share
+a host run the data plane's collectives over Unix sockets instead (`engine.cpu_mesh`: gloo
+spends about a millisecond of CPU a rank on each).
 
 The data plane (the collectives inside the model) runs on the default process group; a separate
 gloo group carries the control plane (`send`/`recv`: rank 0 tells the other ranks which model
@@ -33,6 +35,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor
+
+from engine.cpu_mesh import Mesh
 
 # A step's collectives must finish within this; a peer that dies is caught sooner by the
 # watchdog (heartbeat timeout) or by the transport noticing the closed connection.
@@ -88,6 +92,7 @@ class Group:
         self.comm = CommStats()
         self.timed = False
         self._watchdog: _Watchdog | None = None
+        self._mesh: Mesh | None = None  # CPU ranks of one host: collectives over Unix sockets
 
     @property
     def broken(self) -> bool:
@@ -142,8 +147,11 @@ class Group:
         # NOTE: new_group is itself a collective: every rank creates its groups in one order.
         control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
         g = cls(rank, world_size, dev, control)
-        g._watchdog = _Watchdog(rank, world_size, f"{STORE_PREFIX}{next(cls._count)}/",
-                                heartbeat_timeout_s)
+        prefix = f"{STORE_PREFIX}{next(cls._count)}/"
+        if dev.type == "cpu" and int(os.environ.get("LOCAL_WORLD_SIZE", -1)) == world_size:
+            g._mesh = Mesh(rank, world_size, dist.PrefixStore(prefix, _store(60.0)),
+                           COLLECTIVE_TIMEOUT_S)
+        g._watchdog = _Watchdog(rank, world_size, prefix, heartbeat_timeout_s)
         g._watchdog.start()
         return g
 
@@ -152,6 +160,9 @@ class Group:
         if self._watchdog is not None:
             self._watchdog.stop()
             self._watchdog = None
+        if self._mesh is not None:
+            self._mesh.close()
+            self._mesh = None
         # NOTE: CUDA graphs holding NCCL calls must be gone before this (LLM.close does that).
         if dist.is_initialized() and not self.broken and self.control is not None:
             dist.destroy_process_group(self.control)
@@ -183,8 +194,9 @@ class Group:
     def all_reduce(self, x: Tensor) -> Tensor:
         """Sum of `x` over ranks (in place on a contiguous `x`; returns the result)."""
         x = x.contiguous()
+        mesh = self._mesh
         self._collective("all_reduce", x.numel() * x.element_size(),
-                         lambda: dist.all_reduce(x))
+                         (lambda: mesh.all_reduce(x)) if mesh else (lambda: dist.all_reduce(x)))
         return x
 
     def all_gather_last(self, x: Tensor) -> Tensor:
@@ -192,13 +204,17 @@ class Group:
         x = x.contiguous()
         out = x.new_empty((self.world * x.shape[0], *x.shape[1:]))
         gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        mesh = self._mesh
         self._collective("all_gather", out.numel() * out.element_size(),
-                         lambda: gather(out, x))
+                         (lambda: torch.cat(mesh.exchange(x), out=out)) if mesh
+                         else (lambda: gather(out, x)))
         return out.view(self.world, *x.shape).movedim(0, -2).reshape(*x.shape[:-1], -1)
 
     def broadcast_(self, x: Tensor, src: int = 0) -> Tensor:
+        mesh = self._mesh
         self._collective("broadcast", x.numel() * x.element_size(),
-                         lambda: dist.broadcast(x, src=src))
+                         (lambda: x.copy_(mesh.exchange(x)[src])) if mesh
+                         else (lambda: dist.broadcast(x, src=src)))
         return x
 
     # ---- control plane --------------------------------------------------------------------------
@@ -220,6 +236,13 @@ class Group:
             _GROUP_BROKEN.set()
             raise PeerLost(f"tensor-parallel rank {self.rank} of {self.world}: lost the leader's "
                            f"command channel ({what}); a peer is gone ({e})") from e
+
+
+def _store(timeout_s: float) -> dist.TCPStore:
+    """A client of torchrun's rendezvous store (`MASTER_ADDR`, `MASTER_PORT`)."""
+    return dist.TCPStore(os.environ.get("MASTER_ADDR", "127.0.0.1"),
+                         int(os.environ.get("MASTER_PORT", "29500")), is_master=False,
+                         wait_for_workers=False, timeout=timedelta(seconds=timeout_s))
 
 
 def world_of(group: Group | None) -> int:
@@ -245,11 +268,7 @@ class _Watchdog:
     def __init__(self, rank: int, world: int, prefix: str, timeout_s: float):
         self.rank, self.world, self.timeout_s = rank, world, timeout_s
         self.interval = max(0.05, min(1.0, timeout_s / 5))
-        host = os.environ.get("MASTER_ADDR", "127.0.0.1")
-        port = int(os.environ.get("MASTER_PORT", "29500"))
-        store = dist.TCPStore(host, port, is_master=False, wait_for_workers=False,
-                              timeout=timedelta(seconds=max(timeout_s, 10.0)))
-        self.store = dist.PrefixStore(prefix, store)
+        self.store = dist.PrefixStore(prefix, _store(max(timeout_s, 10.0)))
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="tp-watchdog", daemon=True)
 
