@@ -14,7 +14,8 @@ PACKAGES = ("ops", "engine", "graphs", "bench", "tools")
 # Lowest first. A module belongs to the entry with the longest matching prefix.
 LAYERS = [
     ("ops",),
-    ("engine.config", "engine.dist", "engine.kv_cache", "engine.prefix_cache", "engine.media",
+    ("engine.config", "engine.cpu_mesh", "engine.dist", "engine.kv_cache", "engine.prefix_cache",
+     "engine.media",
      "engine.page_table", "engine.memory",
      "engine.chat",
      "engine.tool_declaration",
