@@ -450,6 +450,14 @@ class Embeds:
     rows: Tensor
 
 
+def staged(data: Any, dev: torch.device) -> Tensor:
+    """A host list (ids, positions, pages) as a tensor on `dev` without making the host wait:
+    on CUDA through pinned memory, copied asynchronously (a copy from pageable memory waits
+    for the stream's work so far); elsewhere as is."""
+    t = torch.tensor(data, pin_memory=dev.type == "cuda")
+    return t.to(dev, non_blocking=True)
+
+
 def _flat_embeds(embeds: Sequence[Embeds | None] | None, T: int, dev: torch.device
                  ) -> tuple[Tensor, Tensor] | None:
     """`embeds` of `B` sequences padded to `T` tokens as `KimiForCausalLM.embed` takes them:
@@ -457,7 +465,7 @@ def _flat_embeds(embeds: Sequence[Embeds | None] | None, T: int, dev: torch.devi
     parts = [(b, e) for b, e in enumerate(embeds or ()) if e is not None and e.offsets]
     if not parts:
         return None
-    where = torch.tensor([b * T + o for b, e in parts for o in e.offsets], device=dev)
+    where = staged([b * T + o for b, e in parts for o in e.offsets], dev)
     return where, torch.cat([e.rows for _, e in parts]).to(dev)
 
 
@@ -480,8 +488,8 @@ def prefill(models: Models, pool: KVPool, ctxs: Sequence[Sequence[int]],
                          f"{lens} and {len(pages)} page lists")
     B, T = len(lens), max(*lens, 1 if forward is None else 2)
     dev = pool.target.device
-    ids = torch.tensor([list(c) + [0] * (T - len(c)) for c in ctxs], device=dev)
-    last = torch.tensor(lens, device=dev)[:, None] - 1
+    ids = staged([list(c) + [0] * (T - len(c)) for c in ctxs], dev)
+    last = staged(lens, dev)[:, None] - 1
     moe = expert_pass(B * T)
     flat = _flat_embeds(embeds, T, dev)
     if forward is None:
@@ -498,9 +506,9 @@ def prefill(models: Models, pool: KVPool, ctxs: Sequence[Sequence[int]],
     pos = torch.arange(T, device=dev).expand(B, T)
     # NOTE: the real (unpadded) positions, flat, indexed from the lengths on the host: a
     # boolean mask would make the host wait for the device to count its true elements.
-    real = torch.tensor([b * T + t for b, n in enumerate(lens) for t in range(n)], device=dev)
+    real = staged([b * T + t for b, n in enumerate(lens) for t in range(n)], dev)
     width = max(map(len, pages))
-    pt = torch.tensor([list(p) + [DUMMY_PAGE] * (width - len(p)) for p in pages], device=dev)
+    pt = staged([list(p) + [DUMMY_PAGE] * (width - len(p)) for p in pages], dev)
     slots = slot_of(pt, pos, pool.page_size).reshape(-1)[real]
     pool.target[:, slots] = rows.flatten(1, 2)[:, real].to(pool.target.dtype)
     if ctx is not None:
@@ -531,8 +539,8 @@ def prefill_chunk(models: Models, pool: KVPool, tokens: Sequence[int], start: in
     live = -(-(start + n) // pool.page_size)
     if live > len(pages):
         raise ValueError(f"positions up to {start + n} need {live} pages, got {len(pages)}")
-    table = torch.tensor(list(pages[:live]), device=dev)[None]
-    ids = torch.tensor(list(tokens), device=dev)[None]
+    table = staged(list(pages[:live]), dev)[None]
+    ids = staged(list(tokens), dev)[None]
     pos = start + torch.arange(n, device=dev)[None]
     rows: list[Tensor] = []
     aux_layers = models.aux_layers if feed and drafter is not None else ()
@@ -579,8 +587,7 @@ def prompt_logprobs(models: Models, pool: KVPool, tokens: Sequence[int], pages: 
         x = prefill_chunk(models, pool, piece, a, pages, expert_pass, write_target=False,
                           feed=False, logits="all")
         assert x is not None  # [m, V]: position a + i predicts tokens[a + i + 1]
-        lp, vals, ids = token_logprobs(x, torch.tensor(list(tokens[a + 1:a + m + 1]),
-                                                       device=dev), top)
+        lp, vals, ids = token_logprobs(x, staged(list(tokens[a + 1:a + m + 1]), dev), top)
         token_lp.append(lp)
         top_lp.append(vals)
         top_ids.append(ids)

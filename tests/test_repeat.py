@@ -110,4 +110,6 @@ def test_rehearsals_from_two_layers_equal_every_layers(mini_tp2, six, monkeypatc
     for run in runs:
         every, two = run(), extrapolated(layers, run)
         same(every, two)
-    assert every[0].launches > 0 and every[0].collectives > 0 and every[0].syncs
+    # NOTE: the prefill syncs nowhere (its copies to the device do not block), so its syncs
+    # compare empty
+    assert every[0].launches > 0 and every[0].collectives > 0 and not every[0].syncs
