@@ -147,9 +147,9 @@ def expert_launches(cfg: ModelConfig, tp: int, tokens: dict[str, list[int]]) -> 
 def attention_launches(cfg: ModelConfig, draft: DraftConfig | None, tp: int, chunk: int,
                        page_size: int, context: int) -> list[Launch]:
     """The attention kernels' launches on one rank: the paged MLA prefix attention of steps
-    (each batch's target rows, `STEP_ROWS`) and of a prefill chunk over its cached prefix, the
-    drafter's context attention of steps, and the MHA prefill kernel's causal and prefix passes
-    when `ops.prefill_triton` is present."""
+    (each batch's target rows, `STEP_ROWS`), the drafter's context attention of steps, and the
+    MHA prefill kernel's causal and prefix passes of a prefill chunk over its cached prefix
+    (every prefill chunk takes the MHA form) when `ops.prefill_triton` is present."""
     import ops.attention_triton as at
 
     heads = cfg.num_attention_heads // tp
@@ -174,7 +174,6 @@ def attention_launches(cfg: ModelConfig, draft: DraftConfig | None, tp: int, chu
     for bs in STEP_BATCHES:
         for rows in STEP_ROWS:
             record("step attention", mla(bs, rows), batch=bs, rows=rows)
-    record("prefill attention", mla(1, chunk), batch=1, rows=chunk)
     if draft is not None:
         nh = draft.num_attention_heads // tp
         kvh = max(1, draft.num_key_value_heads // tp)
