@@ -284,13 +284,12 @@ def _compile_sm90(cases: list[tuple], tmp_path: Path) -> list[tuple[tuple, dict]
 @needs_triton
 @pytest.mark.skipif(_ptxas() is None, reason="triton's NVIDIA backend (ptxas) is missing")
 def test_mha_kernel_compiles_to_wgmma_without_spills(tmp_path):
-    """Every variant the engine launches at Kimi's widths (bf16: the own causal square and a
-    prefix chunk, each alone or merging into a previous pass) compiles for sm_90a to `wgmma`
-    on 128-query tiles with no spills, in shared memory an H200 has; fp32 (tiny models on
-    CUDA; fp32 weights at Kimi's widths fit no GPU) and the bundled model's widths spill nothing
-    either. No GPU needed: Triton compiles, ptxas reports."""
-    kimi = [("bf16", 128, 64, 128, causal, prev) for causal in (True, False)
-            for prev in (False, True)]
+    """Every variant the engine launches at Kimi's widths (bf16: `mla_prefill`'s own causal
+    square, first and alone, and each prefix chunk merging into the pass before it) compiles
+    for sm_90a to `wgmma` on 128-query tiles with no spills, in shared memory an H200 has;
+    fp32 (tiny models on CUDA; fp32 weights at Kimi's widths fit no GPU) and the bundled
+    model's widths spill nothing either. No GPU needed: Triton compiles, ptxas reports."""
+    kimi = [("bf16", 128, 64, 128, True, False), ("bf16", 128, 64, 128, False, True)]
     other = [("fp32", 16, 16, 16, True, True), ("bf16", 16, 16, 16, False, True)]
     for case, r in _compile_sm90(kimi + other, tmp_path):
         print(case, r)
