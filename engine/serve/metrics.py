@@ -4,10 +4,12 @@ handler and status (`prometheus_fastapi_instrumentator`) and serves `GET /metric
 
 from __future__ import annotations
 
-from fastapi import FastAPI
+from typing import TYPE_CHECKING
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
-from prometheus_fastapi_instrumentator import Instrumentator
-from prometheus_fastapi_instrumentator import metrics as http
+
+if TYPE_CHECKING:  # the engine's process imports this module and serves no HTTP
+    from fastapi import FastAPI
 
 disable_created_metrics()
 
@@ -39,6 +41,9 @@ class Metrics:
                                      registry=r)
 
     def instrument(self, app: FastAPI) -> None:
+        from prometheus_fastapi_instrumentator import Instrumentator
+        from prometheus_fastapi_instrumentator import metrics as http
+
         Instrumentator(should_group_status_codes=False, registry=self.registry).add(
             http.requests(metric_name="kimi_requests", should_include_method=False,
                           registry=self.registry)).instrument(app).expose(app)

@@ -31,9 +31,7 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
-from typing import Any, Protocol
-
-from fastapi import Request
+from typing import TYPE_CHECKING, Any, Protocol
 
 from engine.config import SamplingParams
 from engine.grammar import Grammars
@@ -42,6 +40,9 @@ from engine.request import Limits
 from engine.request import Request as EngineRequest
 from engine.serve.metrics import Metrics
 from engine.tokenizer import Tokenizer
+
+if TYPE_CHECKING:  # the engine's process imports this module and serves no HTTP
+    from fastapi import Request
 
 log = logging.getLogger("engine.serve")
 DISCONNECT_POLL_S = 0.25  # how often a waiting handler checks that its client is still there
