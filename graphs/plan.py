@@ -104,9 +104,12 @@ from graphs.rehearse import (
     step_kinds,
 )
 from graphs.repeat import extrapolated
+from ops.custom_ops import register_flop_formulas
 from ops.moe import expected_aligned_rows, expert_block, moe_bytes, moe_flops
 from ops.paged_grid import launch_shape, programs_with_work
 from ops.quant import fp8_linear_bytes
+
+register_flop_formulas()  # the kimi:: ops' FLOPs in every FlopCounterMode below
 
 
 @dataclass(frozen=True)

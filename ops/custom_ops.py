@@ -33,9 +33,9 @@ triton imports, otherwise (and on the CPU) the static-shape torch twins (`ops.mo
 `ops.quant.fp8_linear_torch`). Triton is imported only on the first CUDA call.
 
 Fake kernels give the output shape and dtype only, so the ops run under `FakeTensorMode` and
-on the meta device. `FlopCounterMode` counts useful matmul FLOPs: `2 * T*k * (2I*H + H*I)` for
-the experts (block padding not included; `ops.moe.moe_flops` gives both numbers) and
-`2 * M*N*K` for the linear. Importing this module registers everything once.
+on the meta device. `FlopCounterMode`, once `register_flop_formulas()` ran, counts useful matmul
+FLOPs: `2 * T*k * (2I*H + H*I)` for the experts (block padding not included; `ops.moe.moe_flops`
+gives both numbers) and `2 * M*N*K` for the linear. Importing this module registers the ops once.
 """
 
 from __future__ import annotations
@@ -45,7 +45,6 @@ import math
 
 import torch
 from torch import Tensor
-from torch.utils.flop_counter import register_flop_formula
 
 from ops import paged
 from ops.moe import (
@@ -224,14 +223,12 @@ def _draft_context_fake(q: Tensor, draft_cache: Tensor, page_table: Tensor, ctx_
                                                                   dtype=torch.float32)
 
 
-@register_flop_formula(torch.ops.kimi.moe_experts)
 def _moe_experts_flop(x_shape, idx_shape, w_shape, w13_shape, w2_shape, block: int = 0, *,
                       out_shape=None, **kwargs) -> int:
     (T, k), (E, i2, H) = idx_shape, w13_shape
     return moe_flops(T, k, E, H, i2 // 2, expert_block(T, block))[0]
 
 
-@register_flop_formula(torch.ops.kimi.moe_experts_w4a16)
 def _moe_experts_w4a16_flop(x_shape, idx_shape, w_shape, w13_packed_shape, w13_scale_shape,
                             w2_packed_shape, w2_scale_shape, group_size: int = 32,
                             block: int = 0, *, out_shape=None, **kwargs) -> int:
@@ -239,7 +236,6 @@ def _moe_experts_w4a16_flop(x_shape, idx_shape, w_shape, w13_packed_shape, w13_s
     return moe_flops(T, k, E, x_shape[1], i2 // 2, expert_block(T, block))[0]
 
 
-@register_flop_formula(torch.ops.kimi.moe_experts_fp8)
 def _moe_experts_fp8_flop(x_shape, idx_shape, w_shape, w13_shape, w13_scale_inv_shape, w2_shape,
                           w2_scale_inv_shape, block_n: int = 128, block_k: int = 128,
                           block: int = 0, *, out_shape=None, **kwargs) -> int:
@@ -247,7 +243,6 @@ def _moe_experts_fp8_flop(x_shape, idx_shape, w_shape, w13_shape, w13_scale_inv_
     return moe_flops(T, k, E, H, i2 // 2, expert_block(T, block))[0]
 
 
-@register_flop_formula(torch.ops.kimi.fp8_linear)
 def _fp8_linear_flop(x_shape, w_shape, scale_inv_shape, block_n: int = 128,
                      block_k: int = 128, *, out_shape=None, **kwargs) -> int:
     return 2 * math.prod(x_shape[:-1]) * w_shape[0] * w_shape[1]
@@ -280,7 +275,6 @@ def _mha_prefill_fake(q: Tensor, k_nope: Tensor, k_pe: Tensor, v: Tensor, scale:
             q.new_empty(B, T, H, dtype=torch.float32))
 
 
-@register_flop_formula(torch.ops.kimi.mha_prefill)
 def _mha_prefill_flop(q_shape, k_nope_shape, k_pe_shape, v_shape, scale: float, causal: bool,
                       prev_o_shape=None, prev_lse_shape=None, *, out_shape=None, **kwargs) -> int:
     B, T, H, dqk = q_shape
@@ -302,3 +296,19 @@ def _rms_norm_fake(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     torch._check(tuple(weight.shape) == (x.shape[-1],),
                  lambda: f"weight {tuple(weight.shape)} must be [{x.shape[-1]}]")
     return torch.empty_like(x, dtype=torch.promote_types(x.dtype, weight.dtype))
+
+
+_FLOP_FORMULAS = {"moe_experts": _moe_experts_flop, "moe_experts_w4a16": _moe_experts_w4a16_flop,
+                  "moe_experts_fp8": _moe_experts_fp8_flop, "fp8_linear": _fp8_linear_flop,
+                  "mha_prefill": _mha_prefill_flop}
+
+
+@functools.cache
+def register_flop_formulas() -> None:
+    """Teach `FlopCounterMode` the kimi:: ops' FLOPs; called where FLOPs are counted (the
+    planner, the GPU check's layer, tests). Not at import: torch's flop counter imports
+    Triton's JIT, 0.2 s that a serving process need not pay."""
+    from torch.utils.flop_counter import register_flop_formula
+
+    for name, formula in _FLOP_FORMULAS.items():
+        register_flop_formula(getattr(torch.ops.kimi, name))(formula)

@@ -20,7 +20,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils.flop_counter import FlopCounterMode
 
-import ops.custom_ops  # noqa: F401  (registers torch.ops.kimi.*)
+import ops.custom_ops  # (registers torch.ops.kimi.*)
 from engine.models.layers import ExpertBank
 from ops.moe import (
     dequant_experts_fp8,
@@ -55,6 +55,7 @@ except ImportError:  # triton is the optional `gpu` extra
 
 needs_triton = pytest.mark.skipif(moe_experts_triton is None, reason="needs triton")
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
+ops.custom_ops.register_flop_formulas()
 
 
 def _align_loop(ids: torch.Tensor, E: int, block: int) -> tuple[list[int], list[int]]:

@@ -204,8 +204,9 @@ def test_prefix_chunks_are_bounded():
 def test_op_fake_shapes_and_flops():
     from torch.utils.flop_counter import FlopCounterMode
 
-    import ops.custom_ops  # noqa: F401 - registers kimi::mha_prefill
+    from ops.custom_ops import register_flop_formulas
 
+    register_flop_formulas()
     q, kn, kp, v = (t.to("meta") for t in _pass_inputs(2, 10, 30, 3, 16, 8, 12, torch.bfloat16))
     with FlopCounterMode(display=False) as fc:
         o, lse = torch.ops.kimi.mha_prefill(q, kn, kp, v, 0.3, False, None, None)

@@ -21,7 +21,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils.flop_counter import FlopCounterMode
 
-import ops.custom_ops  # noqa: F401  (registers torch.ops.kimi.*)
+import ops.custom_ops  # (registers torch.ops.kimi.*)
 from ops.quant import dequant_fp8_block, fp8_linear_bytes, fp8_linear_torch, quantize_fp8_block
 
 try:
@@ -31,6 +31,7 @@ except ImportError:  # triton is the optional `gpu` extra
 
 needs_triton = pytest.mark.skipif(fp8_linear_triton is None, reason="needs triton")
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
+ops.custom_ops.register_flop_formulas()
 ROOT = Path(__file__).resolve().parents[1]
 
 
