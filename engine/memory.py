@@ -138,14 +138,16 @@ def prefill_activation_bytes(mc: Any, *, tokens: int, tp: int, dtype_bytes: int)
     (queries, keys and values expanded per head, float32 scores), the widest MLP of one layer,
     the grouped expert kernels' scratch (a hidden row and an activation row per token and
     chosen expert, `ops.moe.fused_workspace_bytes`) and a few hidden-state copies in float32."""
+    from ops.moe import fused_workspace_bytes  # NOTE: here, so the HTTP process imports no torch
+
     heads = -(-mc.num_attention_heads // tp)
     rows = 2 * mc.num_hidden_layers * tokens * mc.kv_cache_dim * dtype_bytes
     attn = heads * tokens * (2 * mc.qk_head_dim + mc.v_head_dim) * dtype_bytes \
         + heads * tokens * tokens * 4
     moe = (mc.num_experts_per_tok + mc.n_shared_experts) * mc.moe_intermediate_size
     mlp = 3 * tokens * max(mc.intermediate_size // tp, moe) * dtype_bytes
-    pairs = tokens * mc.num_experts_per_tok
-    scratch = pairs * (mc.hidden_size + -(-mc.moe_intermediate_size // tp)) * dtype_bytes
+    scratch = fused_workspace_bytes(tokens, mc.num_experts_per_tok, mc.hidden_size,
+                                    -(-mc.moe_intermediate_size // tp), dtype_bytes)
     hidden = 6 * tokens * mc.hidden_size * 4
     return rows + attn + mlp + scratch + hidden
 

@@ -294,12 +294,12 @@ def audit(cfg: ModelConfig, draft: DraftConfig | None, tp: int, *, arch: str = "
     `arch`, one row each (see the module docstring); `only` keeps the rows whose `use` holds
     it ("experts", "attention", "step", "prefill", "norm")."""
     launches: list[Launch] = []
-    if only != "norm" and (only is None or "attention" not in only):
+    if only is None or "attention" not in only:
         steps = sorted({bs * rows for bs in STEP_BATCHES for rows in STEP_ROWS})
         launches += expert_launches(cfg, tp, {"step experts": steps, "prefill experts": [chunk]})
-    if only != "norm" and (only is None or "experts" not in only):
+    if only is None or "experts" not in only:
         launches += attention_launches(cfg, draft, tp, chunk, page_size, context)
-    if only is None or only == "norm":
+    if only is None or "norm" in only:
         launches += norm_launches(cfg, draft)
     rows: list[dict[str, Any]] = []
     seen: set[str] = set()
