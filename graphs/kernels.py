@@ -6,15 +6,17 @@ have, and report what the compiler made of each.
 
 The launches are the engine's own: each launcher (`ops.moe_triton`'s expert GEMMs,
 `ops.attention_triton`'s paged MLA prefix and drafter attention, `ops.prefill_triton`'s MHA prefill
-when present, `ops.norm_triton`'s RMSNorm at each norm's width) runs on meta tensors of one rank's
+when present, `ops.norm_triton`'s RMSNorm at each norm's width and with the residual add,
+`ops.rope_triton`'s rotary tails of the queries and keys) runs on meta tensors of one rank's
 shapes, steps and prefill chunks, with its `kernel_for` swapped for a recorder, so the constexprs,
 warps and stages recorded are the ones a CUDA run passes. Each distinct configuration is then
 specialized as Triton's launcher would (its binder: 16-byte-aligned pointers, integer hints) and
 compiled with Triton's own compiler for the target (`GPUTarget("cuda", 90, 32)` for sm_90a) and
 `ptxas -v` on the PTX. Each row: `{"name", "use", "config", "mma", "registers", "spills",
-"shared_bytes"}` where `use` is "step" or "prefill" and "attention" or "experts" (or "norm": one
-configuration a width serves steps and prefill alike), and `mma` is "wgmma" (Hopper's warpgroup MMA
-in the PTX), "mma.sync" or "none". Needs Triton's NVIDIA backend (its bundled ptxas), no GPU.
+"shared_bytes"}` where `use` is "step" or "prefill" and "attention" or "experts" (or "norm" and
+"rope": one configuration a shape serves steps and prefill alike), and `mma` is "wgmma"
+(Hopper's warpgroup MMA in the PTX), "mma.sync" or "none". Needs Triton's NVIDIA backend (its
+bundled ptxas), no GPU.
 """
 
 from __future__ import annotations
@@ -81,9 +83,11 @@ def recording() -> Iterator[_Recorder]:
     import ops.moe_triton as mt
     import ops.norm_triton as nt
     import ops.quant_triton as qt
+    import ops.rope_triton as rt
 
     rec = _Recorder()
-    patched = [(qt, "kernel_for"), (at, "_kernel_for"), (nt, "kernel_for"), (mt, "kernel_for")]
+    patched = [(qt, "kernel_for"), (at, "_kernel_for"), (nt, "kernel_for"), (mt, "kernel_for"),
+               (rt, "kernel_for")]
     try:
         import ops.prefill_triton as pt
         patched.append((pt, "kernel_for"))
@@ -120,6 +124,8 @@ def expert_launches(cfg: ModelConfig, tp: int, tokens: dict[str, list[int]]) -> 
         for T in counts:
             x, idx = _meta(T, H), torch.empty(T, k, dtype=torch.int64, device="meta")
             w = torch.empty(T, k, dtype=torch.float32, device="meta")
+            # the shared experts' rows, which the reduction adds (`MoE.forward`)
+            add = _meta(T, H) if cfg.n_shared_experts else None
             with recording() as rec:
                 if q is not None and q.method == "int4":
                     g = q.group_size
@@ -127,7 +133,7 @@ def expert_launches(cfg: ModelConfig, tp: int, tokens: dict[str, list[int]]) -> 
                         x, idx, w, _meta(E, 2 * inter, -(-H // 8), dtype=torch.int32),
                         _meta(E, 2 * inter, -(-H // g)), _meta(E, H, -(-inter // 8),
                                                               dtype=torch.int32),
-                        _meta(E, H, -(-inter // g)), g)
+                        _meta(E, H, -(-inter // g)), g, add=add)
                 elif q is not None and q.method == "fp8":
                     b0, b1 = q.block_size
                     f8 = torch.float8_e4m3fn
@@ -135,9 +141,11 @@ def expert_launches(cfg: ModelConfig, tp: int, tokens: dict[str, list[int]]) -> 
                         x, idx, w, _meta(E, 2 * inter, H, dtype=f8),
                         _meta(E, -(-2 * inter // b0), -(-H // b1), dtype=torch.float32),
                         _meta(E, H, inter, dtype=f8),
-                        _meta(E, -(-H // b0), -(-inter // b1), dtype=torch.float32), (b0, b1))
+                        _meta(E, -(-H // b0), -(-inter // b1), dtype=torch.float32), (b0, b1),
+                        add=add)
                 else:
-                    moe_experts_triton(x, idx, w, _meta(E, 2 * inter, H), _meta(E, H, inter))
+                    moe_experts_triton(x, idx, w, _meta(E, 2 * inter, H), _meta(E, H, inter),
+                                       add=add)
             for la in rec.launches:
                 la.use, la.shapes = use, {"tokens": T}
             out += rec.launches
@@ -210,17 +218,39 @@ def attention_launches(cfg: ModelConfig, draft: DraftConfig | None, tp: int, chu
 
 def norm_launches(cfg: ModelConfig, draft: DraftConfig | None) -> list[Launch]:
     """The RMSNorm kernel's launches: one a width the engine normalizes (the hidden states, the
-    query and latent projections, the drafter's heads)."""
-    from ops.norm_triton import rms_norm_triton
+    query and latent projections, the drafter's heads), and the hidden states' with the
+    residual add (`add_rms_norm`)."""
+    from ops.norm_triton import add_rms_norm_triton, rms_norm_triton
 
     widths = {cfg.hidden_size, cfg.kv_lora_rank, *([cfg.q_lora_rank] if cfg.q_lora_rank else []),
               *([draft.head_dim] if draft is not None else [])}
     out: list[Launch] = []
-    for H in sorted(widths):
+    runs: list[tuple[int, Callable[[], Any]]] = [
+        (H, lambda H=H: rms_norm_triton(_meta(4, H), _meta(H), 1e-6)) for H in sorted(widths)]
+    H = cfg.hidden_size
+    runs.append((H, lambda: add_rms_norm_triton(_meta(4, H), _meta(4, H), _meta(H), 1e-6)))
+    for width, run in runs:
         with recording() as rec:
-            rms_norm_triton(_meta(4, H), _meta(H), 1e-6)
+            run()
         for la in rec.launches:
-            la.use, la.shapes = "norm", {"width": H}
+            la.use, la.shapes = "norm", {"width": width}
+        out += rec.launches
+    return out
+
+
+def rope_launches(cfg: ModelConfig, tp: int) -> list[Launch]:
+    """The rotary kernel's launches: the queries' heads of one rank (their rotary tail after
+    `qk_nope_head_dim` channels) and the keys' single rotary head."""
+    from ops.rope_triton import rope_tail_triton
+
+    heads, P = cfg.num_attention_heads // tp, cfg.qk_rope_head_dim
+    out: list[Launch] = []
+    for h, nope in ((heads, cfg.qk_nope_head_dim), (1, 0)):
+        with recording() as rec:
+            rope_tail_triton(_meta(4, h, nope + P), _meta(4, P // 2, dtype=torch.float32),
+                             _meta(4, P // 2, dtype=torch.float32), nope)
+        for la in rec.launches:
+            la.use, la.shapes = "rope", {"heads": h, "nope": nope}
         out += rec.launches
     return out
 
@@ -292,7 +322,7 @@ def audit(cfg: ModelConfig, draft: DraftConfig | None, tp: int, *, arch: str = "
     """Every distinct Triton kernel configuration the engine launches on one rank of `tp`
     (steps and `chunk`-token prefill chunks over `context` cached tokens), compiled for
     `arch`, one row each (see the module docstring); `only` keeps the rows whose `use` holds
-    it ("experts", "attention", "step", "prefill", "norm")."""
+    it ("experts", "attention", "step", "prefill", "norm", "rope")."""
     launches: list[Launch] = []
     if only is None or "attention" not in only:
         steps = sorted({bs * rows for bs in STEP_BATCHES for rows in STEP_ROWS})
@@ -301,6 +331,8 @@ def audit(cfg: ModelConfig, draft: DraftConfig | None, tp: int, *, arch: str = "
         launches += attention_launches(cfg, draft, tp, chunk, page_size, context)
     if only is None or "norm" in only:
         launches += norm_launches(cfg, draft)
+    if only is None or "rope" in only:
+        launches += rope_launches(cfg, tp)
     rows: list[dict[str, Any]] = []
     seen: set[str] = set()
     for la in launches:

@@ -353,6 +353,8 @@ class CostMode(TorchDispatchMode):
             # the alignment block the kernels take: the op's, else theirs for T tokens
             at = [a.name for a in func._schema.arguments].index("block")
             block = expert_block(T, args[at] if len(args) > at else 0)
+            # the shared experts' rows the reduction adds: read once
+            add = args[at + 1] if len(args) > at + 1 else None
             # the kernels run the blocks in use, padding included: their expected rows
             rows = expected_aligned_rows(T, k, E, block)
             useful, _ = moe_flops(T, k, E, H, i2 // 2, block)
@@ -361,7 +363,7 @@ class CostMode(TorchDispatchMode):
             kind = "int4" if name.endswith("w4a16") else {1: "fp8", 2: "bf16", 4: "fp32"}[
                 args[3].element_size()]
             return moe_bytes(T, k, E, H, i2 // 2, weights=kind, act_bytes=x.element_size(),
-                             block=block, rows=rows)["total"]
+                             block=block, rows=rows)["total"] + _bytes(add)
         if name == "fp8_linear":
             x, w = args[0], args[1]
             return fp8_linear_bytes(math.prod(x.shape[:-1]), w.shape[0], w.shape[1],

@@ -58,21 +58,22 @@ def repeated(layers: nn.ModuleList) -> list[int]:
 
 @contextmanager
 def sampled(layers: nn.ModuleList, group: list[int], k: int) -> Iterator[None]:
-    """Inside, the layers of `group` between its first and its last `k` pass their input on
-    (a fresh tensor of its shape, with a fresh one of the first layer's extra output)."""
+    """Inside, the layers of `group` between its first and its last `k` pass their input on:
+    fresh tensors of the shapes of the group's first layer's outputs."""
     first: list[Any] = []
     real = layers[group[0]].forward
 
     def head(h: torch.Tensor, *args: Any) -> Any:
         out = real(h, *args)
-        first[:] = [out[1]]
+        # their shapes only: holding the tensors would keep them live
+        first[:] = [(t.shape, t.dtype) if isinstance(t, torch.Tensor) else t for t in out]
         return out
 
     def through(h: torch.Tensor, *args: Any) -> Any:
         if h.device.type != "meta":
             raise RuntimeError("layers are sampled on the meta device only")
-        extra = first[0] if first else None
-        return torch.empty_like(h), None if extra is None else torch.empty_like(extra)
+        return tuple(torch.empty(t[0], dtype=t[1], device=h.device) if isinstance(t, tuple)
+                     else t for t in first)
 
     patched = [layers[group[0]], *(layers[i] for i in group[1:len(group) - k])]
     layers[group[0]].forward = head

@@ -12,3 +12,10 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return weight * xf.to(x.dtype)
+
+
+def add_rms_norm(x: Tensor, delta: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """The residual stream's next value `s = x + delta` (in x's dtype, as a decoder layer adds
+    its branch) and `rms_norm(s)`: what the next norm of a layer reads."""
+    s = x + delta
+    return s, rms_norm(s, weight, eps)

@@ -77,6 +77,15 @@ def apply_rope_interleaved(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
 
 
+def rope_tail(x: Tensor, cos: Tensor, sin: Tensor, nope: int) -> Tensor:
+    """`x [..., heads, D]` with its last `D - nope` channels rotated (`apply_rope_interleaved`)
+    and its first `nope` as they are: an MLA query (`nope` = `qk_nope_head_dim`) or key part
+    (`nope` = 0). The torch twin of `ops.rope_triton`."""
+    if nope == 0:
+        return apply_rope_interleaved(x, cos, sin)
+    return torch.cat([x[..., :nope], apply_rope_interleaved(x[..., nope:], cos, sin)], dim=-1)
+
+
 def apply_rope_half(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """Rotate-half convention (Qwen3, the DFlash drafter). Shapes as in `apply_rope_interleaved`."""
     cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)

@@ -93,7 +93,8 @@ CASES = [t for _, t in EXPERT_TILES if t.block_m > 16] + [ExpertTiles(64, 32, 64
 def test_kernels_equal_twins_at_each_configuration(tiles: ExpertTiles) -> None:
     """INT4 (bf16 activations), FP8 and float (fp32) banks through the Triton kernels at
     `tiles` equal the twins at the same block; hidden 80 and width 48 leave masked edges in
-    every tile, one token is all zeros, and a pair is dropped."""
+    every tile, one token is all zeros, and a pair is dropped (its row of the pair outputs,
+    never written, is never read); with the shared experts' rows added in the reduction."""
     g = torch.Generator().manual_seed(tiles.block_m + tiles.block_n)
     T, k, E, H, inter = 40, 2, 3, 80, 48
     idx = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
@@ -116,6 +117,10 @@ def test_kernels_equal_twins_at_each_configuration(tiles: ExpertTiles) -> None:
     assert got4.dtype == torch.bfloat16
     torch.testing.assert_close(got4, ref4, **_tol(ref4))
     assert ref4.float().abs().max() > 0.1
+    # the shared experts' rows added in the reduction: as `routed + shared` rounds, bit for bit
+    shared = torch.randn(T, H, generator=g).to(torch.bfloat16)
+    assert torch.equal(moe_experts_w4a16_triton(xb, idx, w, p13, s13, p2, s2, 32, tiles=tiles,
+                                                add=shared), got4 + shared)
 
     fb = (32, 32)  # blocks that cut the gate, the up rows and both matrices' edges
     q13, r13 = _stack([quantize_fp8_block(w13[e], fb) for e in range(E)])

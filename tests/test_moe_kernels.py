@@ -143,19 +143,41 @@ def test_expected_rows_are_uniform_routings_mean(T: int, k: int, E: int, block: 
 def test_slot_sum_equals_its_twin(dtype: torch.dtype) -> None:
     """The weighted sum over the k slots: fp32 products added in slot order and rounded once
     (bit for bit), over a width that is no whole tile and wider than one program's (1,024), a
-    zero weight and a zero row; the twin (torch's sum, another order) to its rounding."""
+    zero weight and a zero row; the twin (torch's sum, another order) to its rounding. A
+    dropped pair's row (an expert outside the bank) is never read: NaN there changes nothing.
+    With the shared experts' rows, their sum is rounded as `twin + add` rounds."""
     g = torch.Generator().manual_seed(3)
+    E = 6
     y = torch.randn(5, 8, 1100, generator=g).to(dtype)
     w = torch.rand(5, 8, generator=g)
+    idx = torch.randint(0, E, (5, 8), generator=g)
     w[1, 3] = 0
     y[2, 5] = 0
     acc = torch.zeros(5, 1100)
     for j in range(8):
         acc = acc + w[:, j, None] * y[:, j].float()
-    got = slot_sum(y, w, dtype)
+    got = slot_sum(y, w, idx, E, dtype)
     assert torch.equal(got, acc.to(dtype))
     tol = 1e-6 if dtype == torch.float32 else 8e-3
     torch.testing.assert_close(got, weighted_slot_sum(y, w), rtol=tol, atol=tol)
+    shared = torch.randn(5, 1100, generator=g).to(dtype)
+    assert torch.equal(slot_sum(y, w, idx, E, dtype, shared), acc.to(dtype) + shared)
+    dropped = idx.clone()
+    dropped[0, 2], dropped[4, 7] = -1, E
+    y_nan = y.clone()
+    y_nan[0, 2] = y_nan[4, 7] = float("nan")
+    keep = (dropped >= 0) & (dropped < E)
+    want = (acc - w[0, 2] * y[0, 2].float() * (torch.arange(5) == 0)[:, None]
+            - w[4, 7] * y[4, 7].float() * (torch.arange(5) == 4)[:, None])
+    got = slot_sum(y_nan, w, dropped, E, dtype)
+    assert not got.isnan().any()
+    ref = torch.zeros(5, 1100)
+    for j in range(8):
+        ref = ref + torch.where(keep[:, j, None], w[:, j, None] * y[:, j].float(), 0.0)
+    assert torch.equal(got, ref.to(dtype))
+    torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol)
+    with pytest.raises(ValueError, match="add"):
+        slot_sum(y, w, idx, E, dtype, shared[:, :7])
 
 
 def test_align_and_twins_under_fake_tensors() -> None:

@@ -49,7 +49,7 @@ from engine.weights import load_checkpoint
 from ops.attention import PrefixKernel, absorbed_attention, joint_bias
 from ops.moe import route_noaux_tc
 from ops.prefill import TORCH_MHA, MHAPass, Prefix, mla_prefill
-from ops.rope import apply_rope_interleaved, rope_cos_sin, rope_frequencies
+from ops.rope import rope_cos_sin, rope_frequencies, rope_tail
 
 # (attention module, normed hidden states, layer index) -> (attention output, extra)
 Attend = Callable[[Any, Tensor, int], tuple[Tensor, Any]]
@@ -109,6 +109,14 @@ class Router(nn.Module):
                               c.n_group, c.topk_group, c.norm_topk_prob, c.routed_scaling_factor)
 
 
+def _rope_tail(x: Tensor, cos: Tensor, sin: Tensor, nope: int) -> Tensor:
+    """`ops.rope.rope_tail`: one kernel off the CPU for 16-bit heads (`kimi::rope_tail`, which
+    the meta device costs), the twin's ops on it."""
+    if x.device.type != "cpu" and x.dtype != torch.float32:
+        return torch.ops.kimi.rope_tail(x, cos, sin, nope)
+    return rope_tail(x, cos, sin, nope)
+
+
 class MoE(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int, tp: Group | None = None):
         super().__init__()
@@ -131,9 +139,8 @@ class MoE(nn.Module):
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
         idx, w = self.gate(x2)
-        y = self.experts(x2, idx, w, mode)
-        if self.shared_experts is not None:
-            y = y + self.shared_experts(x2)
+        shared = None if self.shared_experts is None else self.shared_experts(x2)
+        y = self.experts(x2, idx, w, mode, add=shared)
         if self.tp is not None:
             y = self.tp.all_reduce(y)
         return y.view(shape)
@@ -173,11 +180,10 @@ class MLA(nn.Module):
         else:
             q = self.q_proj(x)
         q = q.view(*x.shape[:-1], self.num_heads, c.qk_head_dim)
-        q_pe = apply_rope_interleaved(q[..., c.qk_nope_head_dim:], cos, sin)
-        q = torch.cat([q[..., :c.qk_nope_head_dim], q_pe], dim=-1)
+        q = _rope_tail(q, cos, sin, c.qk_nope_head_dim)
         kv = self.kv_a_proj_with_mqa(x)
         ckv = self.kv_a_layernorm(kv[..., :c.kv_lora_rank])
-        kpe = apply_rope_interleaved(kv[..., None, c.kv_lora_rank:], cos, sin)[..., 0, :]
+        kpe = _rope_tail(kv[..., None, c.kv_lora_rank:], cos, sin, 0)[..., 0, :]
         return q, torch.cat([ckv, kpe], dim=-1)
 
     def forward_mha(self, x: Tensor, cos: Tensor, sin: Tensor, attend: MHAPass = TORCH_MHA,
@@ -231,14 +237,37 @@ class DecoderLayer(nn.Module):
                 tp.divide(cfg.intermediate_size, "intermediate_size", cfg.source or "config")
             self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, tp, fp8=cfg.fp8_block)
 
-    def forward(self, h: Tensor, attend: Attend, moe: str) -> tuple[Tensor, Any]:
-        """`h [..., H]` -> the layer's output. `attend(attn, normed h, layer index)` is the
-        attention form (naive or absorbed) and returns `(output, extra)`; `extra` is passed
-        back."""
-        a, extra = attend(self.self_attn, self.input_layernorm(h), self.index)
-        h = h + a
-        x = self.post_attention_layernorm(h)
-        return h + (self.mlp(x, moe) if isinstance(self.mlp, MoE) else self.mlp(x)), extra
+    def forward(self, h: Tensor, delta: Tensor | None, attend: Attend, moe: str
+                ) -> tuple[Tensor, Tensor, Tensor, Any]:
+        """The residual stream `h + delta` (`h [..., H]`; `delta` None: `h` alone) -> `(stream,
+        h', delta', extra)`: `stream = h + delta`, the layer's input (the previous layer's
+        output), and the layer's output as `h' + delta'`, its last branch not yet added. Each
+        residual add runs in the kernel of the norm that reads its sum (`RMSNorm.add`), this
+        layer's second one in the next layer's first norm. `attend(attn, normed h, layer
+        index)` is the attention form (naive or absorbed) and returns `(output, extra)`."""
+        stream, x = self.input_layernorm.add(h, delta)
+        a, extra = attend(self.self_attn, x, self.index)
+        h, x = self.post_attention_layernorm.add(stream, a)
+        return stream, h, (self.mlp(x, moe) if isinstance(self.mlp, MoE) else self.mlp(x)), extra
+
+
+def run_layers(layers: Sequence[DecoderLayer], h: Tensor, attend: Attend, moe: str,
+               aux_layers: Sequence[int], extras: list[Any] | None = None
+               ) -> tuple[Tensor, Tensor | None, list[Tensor]]:
+    """`layers` over the embeddings `h`: `(h, delta, aux)`, the last layer's output as `h +
+    delta` (its last branch not yet added) and the outputs of the layers `aux_layers`, each
+    the stream the next layer formed (no add of its own). `extras` receives each layer's
+    `extra`."""
+    d, aux = None, []
+    for i, layer in enumerate(layers):
+        stream, h, d, extra = layer(h, d, attend, moe)
+        if i - 1 in aux_layers:
+            aux.append(stream)
+        if extras is not None:
+            extras.append(extra)
+    if len(layers) - 1 in aux_layers:
+        aux.append(h + d)
+    return h, d, aux
 
 
 class Backbone(nn.Module):
@@ -374,22 +403,17 @@ class KimiForCausalLM(nn.Module):
             prefix = None if start == 0 or kv_cache is None else Prefix(kv_cache[i], prefix_slots)
             return attn.forward_mha(x, cos, sin, attention, prefix)
 
-        h = self.embed(input_ids, embeds)
-        aux = []
         last = max(aux_layers) + 1 if logits == "features" else len(self.model.layers)
-        for i, layer in enumerate(self.model.layers[:last]):
-            h, rows = layer(h, attend, moe)
-            if cache_rows_out is not None:
-                cache_rows_out.append(rows)
-            if i in aux_layers:
-                aux.append(h)
+        h, d, aux = run_layers(self.model.layers[:last], self.embed(input_ids, embeds), attend,
+                               moe, aux_layers, cache_rows_out)
         out = None
         if logits in ("all", "last"):
             if logits == "last":
-                h = h[:, -1:]
+                h, d = h[:, -1:], None if d is None else d[:, -1:]
             elif logits_rows is not None:
-                h = h.gather(1, logits_rows[..., None].expand(-1, -1, h.shape[-1]))
-            out = self.lm_head(self.model.norm(h)).float()
+                rows_of = logits_rows[..., None].expand(-1, -1, h.shape[-1])
+                h, d = h.gather(1, rows_of), None if d is None else d.gather(1, rows_of)
+            out = self.lm_head(self.model.norm.add(h, d)[1]).float()
         return out, (torch.cat(aux, dim=-1) if aux else None)
 
     def verify(
@@ -425,14 +449,11 @@ class KimiForCausalLM(nn.Module):
             return attn.forward_absorbed(x, cos, sin, kv_cache[i], slots, ctx_len, visible,
                                          tree_kv_out[i], prefix, bias), None
 
-        h = self.embed(tokens, embeds)
-        aux = []
         last = max(aux_layers) + 1 if logits == "features" else len(self.model.layers)
-        for i, layer in enumerate(self.model.layers[:last]):
-            h, _ = layer(h, attend, moe)
-            if i in aux_layers:
-                aux.append(h)
+        h, d, aux = run_layers(self.model.layers[:last], self.embed(tokens, embeds), attend, moe,
+                               aux_layers)
         if logits == "last":
-            h = h[:, -1:]
-        out = self.lm_head(self.model.norm(h)).float() if logits in ("all", "last") else None
+            h, d = h[:, -1:], None if d is None else d[:, -1:]
+        out = (self.lm_head(self.model.norm.add(h, d)[1]).float()
+               if logits in ("all", "last") else None)
         return out, (torch.cat(aux, dim=-1) if aux else None)

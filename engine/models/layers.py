@@ -40,7 +40,7 @@ from ops.moe import (
     experts_sparse_by,
     pick_experts,
 )
-from ops.norm import rms_norm
+from ops.norm import add_rms_norm, rms_norm
 
 FP8 = torch.float8_e4m3fn
 
@@ -120,6 +120,19 @@ class RMSNorm(nn.Module):
             # one kernel on a GPU (and costed as one on the meta device), not six
             return torch.ops.kimi.rms_norm(x, self.weight, self.eps)
         return rms_norm(x, self.weight, self.eps)
+
+    def add(self, x: Tensor, delta: Tensor | None) -> tuple[Tensor, Tensor]:
+        """`(x + delta, self(x + delta))`: a decoder layer's residual add and the norm that reads
+        its result, one kernel on a GPU (`kimi::add_rms_norm`; the twin's ops on the CPU). With
+        `delta` None, `(x, self(x))`."""
+        if delta is None:
+            return x, self(x)
+        if x.dtype == self.weight.dtype == torch.float32:
+            s = x + delta
+            return s, self(s)
+        if x.device.type != "cpu":
+            return torch.ops.kimi.add_rms_norm(x, delta, self.weight, self.eps)
+        return add_rms_norm(x, delta, self.weight, self.eps)
 
 
 def cast_parameters(model: nn.Module, dtype: torch.dtype) -> None:
@@ -320,15 +333,30 @@ class ExpertBank(nn.Module):
                     dequant_experts_fp8(self.w2, self.w2_scale_inv, experts, self.block, dtype))
         return pick_experts(self.w13, experts), pick_experts(self.w2, experts)
 
-    def forward(self, x: Tensor, idx: Tensor, w: Tensor, mode: str = "dense") -> Tensor:
-        """`x [T, H]`, routing `idx / w [T, k]` -> `[T, H]`. `mode`: "sparse" sends each token
-        through its chosen experts only (eager only: data-dependent shapes); "dense" runs every
-        expert on every token (fixed shapes, cheap for a small bank; a quantized bank is
-        dequantized whole); "aligned" runs only the chosen experts at fixed shapes
-        (`ops.moe.moe_align_block_size`; Triton on CUDA), a quantized bank dequantizing only
-        those; "indexed" runs only the chosen experts at fixed shapes with their weights read in
-        place (`ops.moe.experts_indexed`: a plain bank; what a compiled CPU step runs). The
-        caller chooses (`engine.runner`, `engine.cpu`)."""
+    def forward(self, x: Tensor, idx: Tensor, w: Tensor, mode: str = "dense",
+                add: Tensor | None = None) -> Tensor:
+        """`x [T, H]`, routing `idx / w [T, k]` -> `[T, H]`, plus `add [T, H]` when given (the
+        shared experts' output: the aligned ops add it in their last kernel). `mode`: "sparse"
+        sends each token through its chosen experts only (eager only: data-dependent shapes);
+        "dense" runs every expert on every token (fixed shapes, cheap for a small bank; a
+        quantized bank is dequantized whole); "aligned" runs only the chosen experts at fixed
+        shapes (`ops.moe.moe_align_block_size`; Triton on CUDA), a quantized bank dequantizing
+        only those; "indexed" runs only the chosen experts at fixed shapes with their weights
+        read in place (`ops.moe.experts_indexed`: a plain bank; what a compiled CPU step runs).
+        The caller chooses (`engine.runner`, `engine.cpu`)."""
+        if mode == "aligned" and self.fmt == "int4":
+            return torch.ops.kimi.moe_experts_w4a16(x, idx, w, self.w13_packed, self.w13_scale,
+                                                   self.w2_packed, self.w2_scale, self.group,
+                                                   add=add)
+        if mode == "aligned" and self.fmt == "fp8":
+            return torch.ops.kimi.moe_experts_fp8(x, idx, w, self.w13, self.w13_scale_inv,
+                                                 self.w2, self.w2_scale_inv, *self.block, add=add)
+        if mode == "aligned":
+            return torch.ops.kimi.moe_experts(x, idx, w, self.w13, self.w2, add=add)
+        y = self._unfused(x, idx, w, mode)
+        return y if add is None else y + add
+
+    def _unfused(self, x: Tensor, idx: Tensor, w: Tensor, mode: str) -> Tensor:
         if mode == "indexed":
             if self.fmt is not None:
                 raise ValueError(f"the indexed expert pass reads plain weights, not {self.fmt}")
@@ -341,12 +369,4 @@ class ExpertBank(nn.Module):
                 return w13[0], w2[0]
 
             return experts_sparse_by(x, idx, w, self.num_experts, load)
-        if mode == "aligned" and self.fmt == "int4":
-            return torch.ops.kimi.moe_experts_w4a16(x, idx, w, self.w13_packed, self.w13_scale,
-                                                   self.w2_packed, self.w2_scale, self.group)
-        if mode == "aligned" and self.fmt == "fp8":
-            return torch.ops.kimi.moe_experts_fp8(x, idx, w, self.w13, self.w13_scale_inv,
-                                                 self.w2, self.w2_scale_inv, *self.block)
-        if mode == "aligned":
-            return torch.ops.kimi.moe_experts(x, idx, w, self.w13, self.w2)
         return experts_dense(x, idx, w, *self.weights(None, x.dtype))
