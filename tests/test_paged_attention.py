@@ -2,11 +2,10 @@
 (`ops.paged`), and the twins against the existing gather path (`ops.attention.prefix_attention`
 over `engine.spec.slot_of` slots) and the drafter's attention (`DraftAttention.forward`).
 
-Without CUDA the kernels run under Triton's interpreter on CPU tensors: this module sets
-`TRITON_INTERPRET=1` (only when CUDA is unavailable, only if unset) before importing triton. The
-kernels themselves do not depend on it (on CPU tensors they always take the interpreter, and
-they call no `@jit` function of `triton.language.standard`, which `import triton` decorates),
-so the order in which test modules import triton does not matter; a subprocess test proves it.
+Without CUDA the kernels run under Triton's interpreter on CPU tensors whatever
+`TRITON_INTERPRET` says (`ops.triton_util.kernel_for`; they call no `@jit` function of
+`triton.language.standard`, which `import triton` decorates), so nothing sets it: the kernels
+stay compiled-mode functions that the sm_90a compile below takes as they are, in this process.
 With CUDA the `cuda` cases run the compiled kernels.
 
 Tolerances: fp32 caches `rtol=1e-5, atol=2e-5` (different summation order only); bf16 caches
@@ -17,23 +16,18 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
-import textwrap
 from pathlib import Path
 
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-from engine.kv_cache import pages_needed  # noqa: E402
-from engine.models.dflash import DraftAttention, DraftConfig  # noqa: E402
-from engine.spec import slot_of  # noqa: E402
-from ops import paged  # noqa: E402
-from ops.attention import prefix_attention  # noqa: E402
-from ops.rope import apply_rope_half, rope_cos_sin, rope_frequencies  # noqa: E402
-from tests.fakeguard import run_on_fake  # noqa: E402
+from engine.kv_cache import pages_needed
+from engine.models.dflash import DraftAttention, DraftConfig
+from engine.spec import slot_of
+from ops import paged
+from ops.attention import prefix_attention
+from ops.rope import apply_rope_half, rope_cos_sin, rope_frequencies
+from tests.fakeguard import run_on_fake
 
 try:
     import triton  # noqa: F401
@@ -472,45 +466,54 @@ def test_kernels_split_by_live_length_equal_twins(monkeypatch, kernel, num_split
     assert per_row[2] == wrote[0, 2] * -(-1000 // chunk)
 
 
-# --- interpreter robustness and GPU block shapes, in fresh processes --------------------------
-
-
-def _run_python(code: str, env: dict[str, str], timeout: int = 120) -> str:
-    res = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], cwd=ROOT, env=env,
-                         capture_output=True, text=True, timeout=timeout)
-    assert res.returncode == 0, res.stdout + res.stderr
-    return res.stdout
-
-
-def _clean_env(tmp_path: Path) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_CACHE_DIR"] = str(tmp_path / "triton_cache")
-    env["PYTHONPATH"] = str(ROOT)
-    return env
+# --- interpreter robustness and GPU block shapes ---------------------------------------------
 
 
 @needs_triton
-def test_kernels_run_on_cpu_when_triton_was_imported_without_interpreter(tmp_path):
-    """Another module imported triton (and this one) before anyone set `TRITON_INTERPRET`:
-    the kernels still run on CPU tensors and equal the twins."""
-    out = _run_python("""
-        import torch, triton
-        import triton.language as tl
-        from triton.runtime.jit import JITFunction
-        assert isinstance(tl.standard.max, JITFunction)  # compiled-mode standard library
-        from ops import attention_triton as at, paged
-        g = torch.Generator().manual_seed(0)
-        cache = torch.randn(40, 80, generator=g)
-        table = torch.tensor([[3, 7, 0], [0, 0, 0], [9, 2, 5]])
-        ctx = torch.tensor([6, 0, 12])
-        ql, qp = torch.randn(3, 2, 4, 64, generator=g), torch.randn(3, 2, 4, 16, generator=g)
-        o, l = at.mla_prefix_attention(ql, qp, cache, table, ctx, 4, 0.1, num_splits=2)
-        o2, l2 = paged.mla_prefix_attention(ql, qp, cache, table, ctx, 4, 0.1)
-        torch.testing.assert_close(o, o2, rtol=1e-5, atol=2e-5)
-        torch.testing.assert_close(l, l2, rtol=1e-5, atol=2e-5)
-        print("ok")
-    """, _clean_env(tmp_path))
-    assert out.strip().endswith("ok")
+def test_kernels_run_on_cpu_when_triton_was_imported_without_interpreter():
+    """Triton and the kernels were imported without `TRITON_INTERPRET` (nothing in the suite
+    sets it): the kernels are compiled-mode functions and still run on CPU tensors, equal to
+    the twins."""
+    from triton.runtime.jit import JITFunction
+
+    if os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+        assert isinstance(at._paged_attn_fwd, JITFunction)
+    g = torch.Generator().manual_seed(0)
+    cache = torch.randn(40, 80, generator=g)
+    table = torch.tensor([[3, 7, 0], [0, 0, 0], [9, 2, 5]])
+    ctx = torch.tensor([6, 0, 12])
+    ql, qp = torch.randn(3, 2, 4, 64, generator=g), torch.randn(3, 2, 4, 16, generator=g)
+    o, lse = at.mla_prefix_attention(ql, qp, cache, table, ctx, 4, 0.1, num_splits=2)
+    o2, lse2 = paged.mla_prefix_attention(ql, qp, cache, table, ctx, 4, 0.1)
+    torch.testing.assert_close(o, o2, **FP32)
+    torch.testing.assert_close(lse, lse2, **FP32)
+
+
+def compile_sm90(fn, sig: dict[str, str], const: dict, num_warps: int,
+                 attrs: dict | None = None) -> dict:
+    """`fn` compiled for sm_90a by Triton's compiler (no GPU), its PTX assembled by ptxas -v:
+    `{"mma", "regs", "spills", "shared", "ptx"}`. Shared with `tests/test_prefill_attention.py`."""
+    import re
+    import tempfile
+
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    if not hasattr(fn, "params"):
+        pytest.fail(f"{fn} was decorated under TRITON_INTERPRET=1: it has no compiled form")
+    k = triton.compile(ASTSource(fn, sig, constexprs=const, attrs=attrs or {}),
+                       target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps))
+    ptx = k.asm["ptx"]
+    with tempfile.TemporaryDirectory() as d:
+        src = Path(d) / "k.ptx"
+        src.write_text(ptx)
+        res = subprocess.run([_ptxas(), "-v", "-arch=sm_90a", str(src), "-o", str(Path(d) / "k.o")],
+                             capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+    return dict(mma="wgmma" if "wgmma" in ptx else "mma.sync" if "mma.sync" in ptx else "none",
+                regs=int(re.search(r"Used (\d+) registers", res.stderr).group(1)),
+                spills=int(re.search(r"(\d+) bytes spill stores", res.stderr).group(1)),
+                shared=k.metadata.shared, ptx=ptx)
 
 
 def _ptxas() -> str | None:
@@ -525,53 +528,36 @@ def _ptxas() -> str | None:
 
 @needs_triton
 @pytest.mark.skipif(_ptxas() is None, reason="triton's NVIDIA backend (ptxas) is missing")
-def test_kernels_compile_for_sm90_without_spills(tmp_path):
+def test_kernels_compile_for_sm90_without_spills():
     """The wrappers' tile choices compile for an H200 (sm_90a) with no register spills and
     shared memory within its 227 KB, without a GPU: Triton compiles to PTX, ptxas reports. Kimi's
     widths in bf16 (fp32 weights at those widths fit no GPU), toy widths in both."""
-    out = _run_python(f"""
-        import re, subprocess, tempfile, torch, triton
-        from triton.backends.compiler import GPUTarget
-        from triton.compiler import ASTSource
-        from ops import attention_triton as at
 
-        def fwd(dtype, da, db, dv, group, m, v_is_a):
-            launch = at.launch_shape(1, m, group, 16, dtype, kv_heads=1, dv=dv,
-                                     num_splits=None, block_n=None)
-            meta = at.fwd_meta(dtype, "cuda", launch, group=group, page_size=16, da=da, db=db,
-                               dv=dv, v_is_a=v_is_a)
-            t = {{torch.bfloat16: "bf16", torch.float32: "fp32"}}[dtype]
-            return at._paged_attn_fwd, meta, launch.num_warps, dict(
-                qa_ptr="*" + t, qb_ptr="*" + t, kv_ptr="*" + t)
+    def fwd(dtype, da, db, dv, group, m, v_is_a):
+        launch = at.launch_shape(1, m, group, 16, dtype, kv_heads=1, dv=dv, num_splits=None,
+                                 block_n=None)
+        meta = at.fwd_meta(dtype, "cuda", launch, group=group, page_size=16, da=da, db=db,
+                           dv=dv, v_is_a=v_is_a)
+        t = {torch.bfloat16: "bf16", torch.float32: "fp32"}[dtype]
+        return at._paged_attn_fwd, meta, launch.num_warps, dict(
+            qa_ptr="*" + t, qb_ptr="*" + t, kv_ptr="*" + t)
 
-        cases = dict(
-            mla_kimi_bf16=fwd(torch.bfloat16, 512, 64, 512, 8, 65, True),
-            mla_toy_fp32=fwd(torch.float32, 64, 16, 64, 4, 65, True),
-            mla_toy_bf16=fwd(torch.bfloat16, 64, 16, 64, 4, 65, True),
-            draft_kimi_bf16=fwd(torch.bfloat16, 128, 0, 128, 8, 8, False),
-            merge=(at._merge_splits, dict(DV=512, BLOCK_R=8, BLOCK_DV=512), 4, {{}}),
-        )
-        for name, (fn, const, nw, ptrs) in cases.items():
-            sig = {{}}
-            for a in fn.arg_names:
-                if a in const:
-                    sig[a] = "constexpr"
-                elif a.endswith("_ptr"):
-                    sig[a] = ptrs.get(a, "*i64" if a in ("pt_ptr", "len_ptr") else "*fp32")
-                else:
-                    sig[a] = "fp32" if a == "qk_scale" else "i32"
-            k = triton.compile(ASTSource(fn, sig, constexprs=const),
-                               target=GPUTarget("cuda", 90, 32), options=dict(num_warps=nw))
-            with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
-                f.write(k.asm["ptx"])
-            res = subprocess.run([{_ptxas()!r}, "-v", "-arch=sm_90a", f.name, "-o", "/dev/null"],
-                                 capture_output=True, text=True)
-            assert res.returncode == 0, res.stderr
-            spill = re.search(r"(\\d+) bytes spill stores", res.stderr).group(1)
-            regs = re.search(r"Used (\\d+) registers", res.stderr).group(1)
-            print(name, "shared", k.metadata.shared, "spill", spill, "regs", regs)
-            assert spill == "0", (name, res.stderr)
-            assert k.metadata.shared <= 227 * 1024, (name, k.metadata.shared)
-        print("ok")
-    """, _clean_env(tmp_path), timeout=300)
-    assert out.strip().endswith("ok"), out
+    cases = dict(
+        mla_kimi_bf16=fwd(torch.bfloat16, 512, 64, 512, 8, 65, True),
+        mla_toy_fp32=fwd(torch.float32, 64, 16, 64, 4, 65, True),
+        mla_toy_bf16=fwd(torch.bfloat16, 64, 16, 64, 4, 65, True),
+        draft_kimi_bf16=fwd(torch.bfloat16, 128, 0, 128, 8, 8, False),
+        merge=(at._merge_splits, dict(DV=512, BLOCK_R=8, BLOCK_DV=512), 4, {}),
+    )
+    for name, (fn, const, nw, ptrs) in cases.items():
+        sig = {}
+        for a in fn.arg_names:
+            if a in const:
+                sig[a] = "constexpr"
+            elif a.endswith("_ptr"):
+                sig[a] = ptrs.get(a, "*i64" if a in ("pt_ptr", "len_ptr") else "*fp32")
+            else:
+                sig[a] = "fp32" if a == "qk_scale" else "i32"
+        r = compile_sm90(fn, sig, const, nw)
+        assert r["spills"] == 0, (name, r["regs"])
+        assert r["shared"] <= 227 * 1024, (name, r["shared"])

@@ -12,20 +12,14 @@ probabilities in the kernel, fp32 math in the twin) `rtol=atol=1e-2`.
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
 import types
-from pathlib import Path
 
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-from engine.spec import slot_of  # noqa: E402
-from ops.prefill import (  # noqa: E402
+from engine.spec import slot_of
+from ops.prefill import (
     TORCH_MHA,
     MHAPass,
     Prefix,
@@ -41,7 +35,7 @@ try:
 except ImportError:  # triton is in the optional `gpu` extra
     pt = None
 
-from tests.test_paged_attention import _ptxas  # noqa: E402 - triton's bundled ptxas, or None
+from tests.test_paged_attention import _ptxas, compile_sm90  # triton's bundled ptxas, or None
 
 needs_triton = pytest.mark.skipif(pt is None, reason="triton is not installed")
 FP32 = dict(rtol=1e-5, atol=2e-5)
@@ -223,68 +217,40 @@ def test_op_fake_shapes_and_flops():
 # ---- sm_90a -----------------------------------------------------------------------------------
 
 
-_COMPILE = """
-import json, os, re, subprocess, sys, tempfile, torch, triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-from ops import prefill_triton as pt
-
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
-def compile_sm90(dtype, dn, dp, dv, causal, prev):
-    meta, warps = pt.mha_meta(DTYPES[dtype], "cuda", dn, dp, dv, causal, prev)
-    fn = pt._mha_prefill_fwd
-    sig, attrs = {}, {}
-    for i, a in enumerate(fn.arg_names):
-        if a in meta:
-            sig[a] = "constexpr"
-        elif a.endswith("_ptr"):
-            sig[a] = "*fp32" if a in ("po_ptr", "plse_ptr", "o_ptr", "lse_ptr") else "*" + dtype
-            attrs[(i,)] = [["tt.divisibility", 16]]
-        else:
-            sig[a] = "fp32" if a == "qk_scale" else "i32"
-            if a.startswith("s"):  # strides
-                attrs[(i,)] = [["tt.divisibility", 16]]
-    k = triton.compile(ASTSource(fn, sig, constexprs=meta, attrs=attrs),
-                       target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps))
-    ptx = k.asm["ptx"]
-    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
-        f.write(ptx)
-    res = subprocess.run([sys.argv[1], "-v", "-arch=sm_90a", f.name, "-o", "/dev/null"],
-                         capture_output=True, text=True)
-    os.unlink(f.name)
-    assert res.returncode == 0, res.stderr
-    return dict(mma="wgmma" if "wgmma" in ptx else "mma.sync" if "mma.sync" in ptx else "none",
-                regs=int(re.search(r"Used (\\d+) registers", res.stderr).group(1)),
-                spills=int(re.search(r"(\\d+) bytes spill stores", res.stderr).group(1)),
-                shared=k.metadata.shared, block_m=meta["BLOCK_M"], warps=warps)
-
-
-print(json.dumps([[case, compile_sm90(*case)] for case in json.loads(sys.argv[2])]))
-"""
-
-
-def _compile_sm90(cases: list[tuple], tmp_path: Path) -> list[tuple[tuple, dict]]:
+def _compile_sm90(cases: list[tuple]) -> list[tuple[tuple, dict]]:
     """The kernel compiled for sm_90a as the JIT launches it (16-divisible strides and aligned
     pointers carry Triton's divisibility hint, as at Kimi's shapes): each case's MMA
-    instruction, registers, spills and shared memory. In a process of its own: this module
-    imported triton under the interpreter."""
-    import json
+    instruction, registers, spills and shared memory."""
+    import ops.prefill_triton as pt
 
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_CACHE_DIR"] = str(tmp_path / "triton_cache")
-    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[1])
-    res = subprocess.run([sys.executable, "-c", _COMPILE, _ptxas(), json.dumps(cases)],
-                         cwd=env["PYTHONPATH"], env=env, capture_output=True, text=True,
-                         timeout=600)
-    assert res.returncode == 0, res.stdout + res.stderr
-    return [(tuple(c), r) for c, r in json.loads(res.stdout.strip().splitlines()[-1])]
+    out = []
+    for case in cases:
+        dtype, dn, dp, dv, causal, prev = case
+        meta, warps = pt.mha_meta(DTYPES[dtype], "cuda", dn, dp, dv, causal, prev)
+        fn = pt._mha_prefill_fwd
+        sig, attrs = {}, {}
+        for i, a in enumerate(fn.arg_names):
+            if a in meta:
+                sig[a] = "constexpr"
+            elif a.endswith("_ptr"):
+                fp32 = a in ("po_ptr", "plse_ptr", "o_ptr", "lse_ptr")
+                sig[a] = "*fp32" if fp32 else "*" + dtype
+                attrs[(i,)] = [["tt.divisibility", 16]]
+            else:
+                sig[a] = "fp32" if a == "qk_scale" else "i32"
+                if a.startswith("s"):  # strides
+                    attrs[(i,)] = [["tt.divisibility", 16]]
+        r = compile_sm90(fn, sig, meta, warps, attrs)
+        out.append((case, dict(r, block_m=meta["BLOCK_M"], warps=warps)))
+    return out
 
 
 @needs_triton
 @pytest.mark.skipif(_ptxas() is None, reason="triton's NVIDIA backend (ptxas) is missing")
-def test_mha_kernel_compiles_to_wgmma_without_spills(tmp_path):
+def test_mha_kernel_compiles_to_wgmma_without_spills():
     """Every variant the engine launches at Kimi's widths (bf16: `mla_prefill`'s own causal
     square, first and alone, and each prefix chunk merging into the pass before it) compiles
     for sm_90a to `wgmma` on 128-query tiles with no spills, in shared memory an H200 has;
@@ -292,8 +258,7 @@ def test_mha_kernel_compiles_to_wgmma_without_spills(tmp_path):
     model's widths spill nothing either. No GPU needed: Triton compiles, ptxas reports."""
     kimi = [("bf16", 128, 64, 128, True, False), ("bf16", 128, 64, 128, False, True)]
     other = [("fp32", 16, 16, 16, True, True), ("bf16", 16, 16, 16, False, True)]
-    for case, r in _compile_sm90(kimi + other, tmp_path):
-        print(case, r)
+    for case, r in _compile_sm90(kimi + other):
         assert r["spills"] == 0 and r["shared"] <= 227 * 1024, (case, r)
         if case in kimi:
             assert r["mma"] == "wgmma" and r["block_m"] == 128 and r["warps"] == 8, (case, r)
