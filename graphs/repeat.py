@@ -63,16 +63,20 @@ def sampled(layers: nn.ModuleList, group: list[int], k: int) -> Iterator[None]:
     first: list[Any] = []
     real = layers[group[0]].forward
 
-    def head(h: torch.Tensor, *args: Any) -> Any:
-        out = real(h, *args)
+    def head(*args: Any) -> Any:
+        out = real(*args)
         # their shapes only: holding the tensors would keep them live
-        first[:] = [(t.shape, t.dtype) if isinstance(t, torch.Tensor) else t for t in out]
+        first[:] = [(t.shape, t.dtype, t.device) if isinstance(t, torch.Tensor) else t
+                    for t in out]
         return out
 
-    def through(h: torch.Tensor, *args: Any) -> Any:
-        if h.device.type != "meta":
+    def through(*args: Any) -> Any:
+        ins = [t for a in args for t in (a if isinstance(a, list) else [a])]
+        if any(isinstance(t, torch.Tensor) and t.device.type != "meta" for t in ins):
             raise RuntimeError("layers are sampled on the meta device only")
-        return tuple(torch.empty(t[0], dtype=t[1], device=h.device) if isinstance(t, tuple)
+        if args and isinstance(args[0], list):
+            args[0].clear()  # the layer's input, which a layer consumes (`DecoderLayer`)
+        return tuple(torch.empty(t[0], dtype=t[1], device=t[2]) if isinstance(t, tuple)
                      else t for t in first)
 
     patched = [layers[group[0]], *(layers[i] for i in group[1:len(group) - k])]

@@ -64,7 +64,7 @@ def test_the_moe_layers_repeat_and_pass_through_on_meta_only(mini_tp2):
     assert repeated(layers[:3]) == []  # two alike are not worth sampling
     with sampled(layers, list(range(1, 6)), 1):
         with pytest.raises(RuntimeError, match="meta device only"):
-            layers[3](torch.zeros(1, 2, 128), None, "dense")
+            layers[3]([torch.zeros(1, 2, 128), None], None, "dense")
     assert "forward" not in vars(layers[3])  # restored
     assert combine({"a": 3, "ops": [], "peak": 5}, {"a": 5, "b": 1, "ops": [], "peak": 7}, 4) \
         == {"a": 11, "b": 4, "ops": [], "peak": 7}

@@ -237,15 +237,18 @@ class DecoderLayer(nn.Module):
                 tp.divide(cfg.intermediate_size, "intermediate_size", cfg.source or "config")
             self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, tp, fp8=cfg.fp8_block)
 
-    def forward(self, h: Tensor, delta: Tensor | None, attend: Attend, moe: str
+    def forward(self, carry: list[Tensor | None], attend: Attend, moe: str
                 ) -> tuple[Tensor, Tensor, Tensor, Any]:
-        """The residual stream `h + delta` (`h [..., H]`; `delta` None: `h` alone) -> `(stream,
-        h', delta', extra)`: `stream = h + delta`, the layer's input (the previous layer's
-        output), and the layer's output as `h' + delta'`, its last branch not yet added. Each
-        residual add runs in the kernel of the norm that reads its sum (`RMSNorm.add`), this
-        layer's second one in the next layer's first norm. `attend(attn, normed h, layer
-        index)` is the attention form (naive or absorbed) and returns `(output, extra)`."""
-        stream, x = self.input_layernorm.add(h, delta)
+        """`carry = [h, delta]`, the residual stream as `h + delta` (`h [..., H]`; `delta` None:
+        `h` alone), which the layer empties (so that, with the caller holding no reference,
+        both halves are freed once added) -> `(stream, h', delta', extra)`: `stream = h +
+        delta`, the layer's input (the previous layer's output), and the layer's output as `h'
+        + delta'`, its last branch not yet added. Each residual add runs in the kernel of the
+        norm that reads its sum (`RMSNorm.add`), this layer's second one in the next layer's
+        first norm. `attend(attn, normed h, layer index)` is the attention form (naive or
+        absorbed) and returns `(output, extra)`."""
+        stream, x = self.input_layernorm.add(*carry)
+        carry.clear()
         a, extra = attend(self.self_attn, x, self.index)
         h, x = self.post_attention_layernorm.add(stream, a)
         return stream, h, (self.mlp(x, moe) if isinstance(self.mlp, MoE) else self.mlp(x)), extra
@@ -256,15 +259,21 @@ def run_layers(layers: Sequence[DecoderLayer], h: Tensor, attend: Attend, moe: s
                ) -> tuple[Tensor, Tensor | None, list[Tensor]]:
     """`layers` over the embeddings `h`: `(h, delta, aux)`, the last layer's output as `h +
     delta` (its last branch not yet added) and the outputs of the layers `aux_layers`, each
-    the stream the next layer formed (no add of its own). `extras` receives each layer's
-    `extra`."""
-    d, aux = None, []
+    the stream the next layer's first norm formed (no add of its own). `extras` receives each
+    layer's `extra`."""
+    carry: list[Tensor | None] = [h, None]
+    del h
+    aux = []
     for i, layer in enumerate(layers):
-        stream, h, d, extra = layer(h, d, attend, moe)
+        stream, h, d, extra = layer(carry, attend, moe)
         if i - 1 in aux_layers:
             aux.append(stream)
+        del stream
+        carry = [h, d]
+        del h, d
         if extras is not None:
             extras.append(extra)
+    h, d = carry
     if len(layers) - 1 in aux_layers:
         aux.append(h + d)
     return h, d, aux
