@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from engine.models.layers import RMSNorm
 from ops.norm import add_rms_norm, rms_norm
@@ -77,20 +78,21 @@ def test_kernel_takes_strided_rows_and_no_rows():
         rms_norm_triton(x[:, :96], w.float(), 1e-5)
 
 
+class Ops(TorchDispatchMode):
+    """The names of the ops dispatched inside (`tests/test_rope.py` uses it too)."""
+
+    def __init__(self):
+        super().__init__()
+        self.names = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(str(func._overloadpacket))
+        return func(*args, **(kwargs or {}))
+
+
 def test_module_takes_the_op_off_the_cpu_and_the_twin_on_it():
     """`RMSNorm` on 16-bit rows: the twin's ops on the CPU (bit for bit), one `kimi::rms_norm`
     elsewhere (the meta device's, which the planner costs); fp32 keeps torch's fused norm."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Ops(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.names = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.names.append(str(func._overloadpacket))
-            return func(*args, **(kwargs or {}))
-
     norm = RMSNorm(32, 1e-6)
     norm.weight.data = torch.rand(32)
     x = torch.randn(3, 32)

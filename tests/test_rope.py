@@ -64,19 +64,9 @@ def test_kernel_takes_the_key_view_and_names_bad_shapes():
 def test_model_takes_the_op_off_the_cpu_and_the_twin_on_it():
     """The MLA's queries and key: the twin's ops on the CPU; on the meta device (what the
     planner costs) one `kimi::rope_tail` each, charged its rows once and the angles."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
     from engine.models.kimi import _rope_tail
     from graphs.plan import CostMode
-
-    class Ops(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.names = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.names.append(str(func._overloadpacket))
-            return func(*args, **(kwargs or {}))
+    from tests.test_norm import Ops
 
     x = torch.randn(2, 3, 4, 12).to(torch.bfloat16)
     cos, sin = _angles(2, 3, half=4, seed=3)
