@@ -1,7 +1,7 @@
 """Tensor parallelism on the CPU (gloo): sharding rules in-process, and runs of several ranks
-(the CLIs under torchrun, the rest in its environment started by hand) that must give exactly
-the single-process tokens, hold about 1/N of the weights per rank, and fail fast when a rank
-dies or freezes."""
+(the CLIs under torchrun, the rest in its environment, forked: `tests.forked`) that must give
+exactly the single-process tokens, hold about 1/N of the weights per rank, and fail fast when a
+rank dies or freezes."""
 
 from __future__ import annotations
 
@@ -25,6 +25,7 @@ from engine.generate import main as generate_main
 from engine.models.dflash import DFlashDrafter
 from engine.models.kimi import KimiForCausalLM
 from engine.models.layers import checkpoint_tensors, param_bytes
+from tests import forked
 from tests.spec_helpers import TARGETS, make_pair, oracle_draft
 from tests.test_chunked_prefill import PAGE, ids
 from tools.make_draft import make_draft
@@ -99,9 +100,9 @@ def run_tp(n: int, model: Path, draft: Path, runs: list[dict], tmp: Path) -> lis
                                      "prompts": PROMPTS, "runs": runs}))
     out = tmp / "out"
     out.mkdir()
-    # NOTE: the ranks started by hand, without torchrun's agent (a process more on two cores):
-    # the CLIs' own tests below run under torchrun
-    procs = _launch_script(n, [str(TESTS / "tp_run.py"), str(spec_file), str(out)], tmp)
+    # NOTE: the ranks started by hand, without torchrun's agent (a process more on two cores),
+    # forked: the CLIs' own tests below run under torchrun, each rank a process of its own
+    procs = _launch(n, [str(TESTS / "tp_run.py"), str(spec_file), str(out)], tmp)
     deadline = time.monotonic() + 300
     while any(p.poll() is None for p, _ in procs):
         failed = [err for p, err in procs if p.poll() not in (None, 0)]
@@ -111,7 +112,7 @@ def run_tp(n: int, model: Path, draft: Path, runs: list[dict], tmp: Path) -> lis
             raise AssertionError((failed or [procs[0][1]])[0].read_text()[-4000:])
         time.sleep(0.1)
     for p, err in procs:
-        assert p.returncode == 0, err.read_text()[-4000:]
+        assert p.wait() == 0, err.read_text()[-4000:]
     return [json.loads((out / f"rank{k}.json").read_text()) for k in range(n)]
 
 
@@ -203,24 +204,12 @@ def test_generate_cli_under_torchrun(tmp_path):
     assert rows == [json.loads(x) for x in ref.read_text().splitlines()]
 
 
-def _launch(n: int, args: list[str], tmp: Path) -> list[tuple[subprocess.Popen, Path]]:
-    """Start `n` ranks of `engine.generate` by hand (torchrun's environment, without its agent
-    killing the others when one dies), so the survivors' own behaviour is what the test sees."""
-    return _launch_script(n, ["-m", "engine.generate", *args], tmp)
-
-
-def _launch_script(n: int, argv: list[str], tmp: Path) -> list[tuple[subprocess.Popen, Path]]:
-    """`n` ranks of `python argv...` in torchrun's environment; each one's stderr in a file."""
-    port = str(_port())
-    procs = []
-    for r in range(n):
-        env = _env() | {"RANK": str(r), "WORLD_SIZE": str(n), "LOCAL_RANK": str(r),
-                        "LOCAL_WORLD_SIZE": str(n), "MASTER_ADDR": "127.0.0.1",
-                        "MASTER_PORT": port}
-        err = tmp / f"rank{r}.err"
-        procs.append((subprocess.Popen([sys.executable, *argv], env=env, cwd=REPO,
-                                       stdout=subprocess.DEVNULL, stderr=err.open("w")), err))
-    return procs
+def _launch(n: int, argv: list[str], tmp: Path) -> list[tuple[forked.Rank, Path]]:
+    """`n` ranks of `python argv...` started by hand (torchrun's environment, without its agent
+    killing the others when one dies, so the survivors' own behaviour is what a test sees),
+    forked from a server that imported torch and the engine once (`tests.forked`); each one's
+    stderr in a file."""
+    return forked.launch(n, argv, tmp, _port())
 
 
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP])
@@ -230,10 +219,10 @@ def test_lost_rank_fails_fast(pair, tmp_path, sig):
     model, _ = pair
     pf = tmp_path / "p.jsonl"
     pf.write_text(json.dumps({"prompt_token_ids": [5, 6, 7]}) + "\n")
-    procs = _launch(2, ["--tp", "2", "--tp-timeout", "3", "--model", str(model), "--mode", "ar",
-                        "--prompts", str(pf), "--output", str(tmp_path / "o.jsonl"),
-                        "--max-new-tokens", "5000", "--ignore-eos", "--max-model-len", "6000"],
-                    tmp_path)
+    procs = _launch(2, ["-m", "engine.generate", "--tp", "2", "--tp-timeout", "3", "--model",
+                        str(model), "--mode", "ar", "--prompts", str(pf), "--output",
+                        str(tmp_path / "o.jsonl"), "--max-new-tokens", "5000", "--ignore-eos",
+                        "--max-model-len", "6000"], tmp_path)
     (p0, err0), (p1, _) = procs
     try:
         deadline = time.monotonic() + 240
