@@ -37,10 +37,10 @@ def layer_models(model: Path, tp: int, device: str, dtype: torch.dtype) -> Any:
     GPU (normal at 0.02, INT4 words random, scales small), none on meta."""
     from engine.attention import PagedBackend
     from engine.config import ModelConfig
-    from engine.models.kimi import KimiForCausalLM, Router
+    from engine.models.kimi import KimiForCausalLM
     from engine.models.layers import cast_parameters
     from engine.spec import Models
-    from graphs.plan import MM_FP32_OUT, CountingGroup
+    from graphs.plan import CountingGroup
 
     cfg = dataclasses.replace(ModelConfig.from_dir(model), num_hidden_layers=1,
                               first_k_dense_replace=0)
@@ -62,12 +62,9 @@ def layer_models(model: Path, tp: int, device: str, dtype: torch.dtype) -> Any:
                 t.normal_(0.0, 0.02, generator=gen)
             elif "bias" in name:
                 t.zero_()
-    if MM_FP32_OUT:
-        # as the engine narrows a router its checkpoint stores in bf16 (Kimi's), and the
-        # planner's build does
-        for m in target.modules():
-            if isinstance(m, Router):
-                m.narrow_(dtype, check=False)
+    # as the engine narrows a router its checkpoint stores in bf16 (Kimi's), and the planner's
+    # build does
+    target.narrow_routers(dtype, check=False)
     return Models(target, None, tp=group, attention=PagedBackend())
 
 

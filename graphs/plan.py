@@ -83,7 +83,7 @@ from engine.memory import (
     parse_size,
 )
 from engine.models.dflash import DFlashDrafter
-from engine.models.kimi import MM_FP32_OUT, KimiForCausalLM, Router
+from engine.models.kimi import KimiForCausalLM
 from engine.models.layers import FP8, cast_parameters, checkpoint_tensors
 from engine.models.vision import KimiVision, VisionConfig
 from engine.policy import Policy, policy_path, write_tuned
@@ -208,13 +208,9 @@ def build(model: Path, draft: Path | None, tp: int, dtype: torch.dtype
         if m is not None:
             cast_parameters(m, dtype)
             m.requires_grad_(False)
-    if MM_FP32_OUT:
-        # NOTE: as the engine on CUDA narrows a router the checkpoint stores in the model's
-        # 16-bit dtype (Kimi's do; `KimiForCausalLM.from_dir`), so its logits multiply 16-bit
-        # inputs into fp32 on the tensor cores
-        for m in target.modules():
-            if isinstance(m, Router):
-                m.narrow_(dtype, check=False)
+    # NOTE: as the engine on CUDA narrows a router the checkpoint stores in the model's 16-bit
+    # dtype (Kimi's do; `KimiForCausalLM.from_dir`)
+    target.narrow_routers(dtype, check=False)
     return Models(target, drafter, tp=group, attention=PagedBackend(), vision=tower), group
 
 
@@ -351,10 +347,14 @@ class CostMode(TorchDispatchMode):
             T, H, k = x.shape[0], x.shape[1], idx.shape[1]
             E, i2 = args[3].shape[:2]
             # the alignment block the kernels take: the op's, else theirs for T tokens
-            at = [a.name for a in func._schema.arguments].index("block")
-            block = expert_block(T, args[at] if len(args) > at else 0)
-            # the shared experts' rows the reduction adds: read once
-            add = args[at + 1] if len(args) > at + 1 else None
+            names = [a.name for a in func._schema.arguments]
+
+            def arg(name: str, default: Any) -> Any:
+                at = names.index(name)
+                return args[at] if len(args) > at else default
+
+            block = expert_block(T, arg("block", 0))
+            add = arg("add", None)  # the shared experts' rows the reduction adds: read once
             # the kernels run the blocks in use, padding included: their expected rows
             rows = expected_aligned_rows(T, k, E, block)
             useful, _ = moe_flops(T, k, E, H, i2 // 2, block)

@@ -338,12 +338,21 @@ class KimiForCausalLM(nn.Module):
         cast_parameters(model, dtype)
         load_checkpoint(path, model.checkpoint_tensors(), prefix=cfg.weight_prefix,
                         quant=cfg.quantization, progress=progress)
-        if torch.device(device).type not in ("cpu", "meta") and MM_FP32_OUT:
-            for m in model.modules():
-                if isinstance(m, Router):
-                    m.narrow_(dtype)
+        if torch.device(device).type not in ("cpu", "meta"):
+            model.narrow_routers(dtype)
         model._init_rope()
         return model.eval().requires_grad_(False)
+
+    def narrow_routers(self, dtype: torch.dtype, check: bool = True) -> None:
+        """Every MoE router narrowed to the 16-bit `dtype` where it holds that dtype's values
+        (`Router.narrow_`; without `check`, as a checkpoint storing them so would: the meta
+        device's models), so its logits multiply 16-bit inputs into fp32 on the tensor cores;
+        where torch's `mm` cannot write fp32 from 16-bit inputs, nothing."""
+        if not MM_FP32_OUT:
+            return
+        for m in self.modules():
+            if isinstance(m, Router):
+                m.narrow_(dtype, check)
 
     def param_counts(self) -> tuple[int, int]:
         """`(total, activated)` parameters of the whole model (every rank's pieces), counted at
