@@ -20,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 import torch
 from torch import nn
@@ -56,6 +56,14 @@ def repeated(layers: nn.ModuleList) -> list[int]:
     return best if len(best) > 2 else []
 
 
+class _Like(NamedTuple):
+    """A tensor's shape, dtype and device: what a pass-through layer makes fresh."""
+
+    shape: torch.Size
+    dtype: torch.dtype
+    device: torch.device
+
+
 @contextmanager
 def sampled(layers: nn.ModuleList, group: list[int], k: int) -> Iterator[None]:
     """Inside, the layers of `group` between its first and its last `k` pass their input on:
@@ -66,7 +74,7 @@ def sampled(layers: nn.ModuleList, group: list[int], k: int) -> Iterator[None]:
     def head(*args: Any) -> Any:
         out = real(*args)
         # their shapes only: holding the tensors would keep them live
-        first[:] = [(t.shape, t.dtype, t.device) if isinstance(t, torch.Tensor) else t
+        first[:] = [_Like(t.shape, t.dtype, t.device) if isinstance(t, torch.Tensor) else t
                     for t in out]
         return out
 
@@ -74,10 +82,8 @@ def sampled(layers: nn.ModuleList, group: list[int], k: int) -> Iterator[None]:
         ins = [t for a in args for t in (a if isinstance(a, list) else [a])]
         if any(isinstance(t, torch.Tensor) and t.device.type != "meta" for t in ins):
             raise RuntimeError("layers are sampled on the meta device only")
-        if args and isinstance(args[0], list):
-            args[0].clear()  # the layer's input, which a layer consumes (`DecoderLayer`)
-        return tuple(torch.empty(t[0], dtype=t[1], device=t[2]) if isinstance(t, tuple)
-                     else t for t in first)
+        return tuple(torch.empty(t.shape, dtype=t.dtype, device=t.device)
+                     if isinstance(t, _Like) else t for t in first)
 
     patched = [layers[group[0]], *(layers[i] for i in group[1:len(group) - k])]
     layers[group[0]].forward = head
