@@ -286,19 +286,34 @@ def compile_launch(la: Launch, arch: str = "sm_90a") -> dict[str, Any]:
     """Compile one recorded launch for `arch` as Triton's launcher would specialize it, then
     read `ptxas -v`: `{"mma", "registers", "spills", "shared_bytes"}`."""
     from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource, compile, make_backend
+    from triton.compiler import make_backend
     from triton.runtime.jit import create_function_from_signature
 
-    cc = ARCHS[arch]
     fn = la.kernel
-    target = GPUTarget("cuda", cc, 32)
-    backend = make_backend(target)
+    backend = make_backend(GPUTarget("cuda", ARCHS[arch], 32))
     binder = create_function_from_signature(fn.signature, fn.params, backend)
     kwargs = dict(la.kwargs, debug=False)
     bound, spec, options = binder(*la.args, **kwargs)
     options, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound, spec, options)
-    kernel = compile(ASTSource(fn, signature, constexprs, attrs), target=target,
-                     options=options.__dict__)
+    return compile_source(fn, signature, constexprs, attrs, options.__dict__, arch)
+
+
+def compile_source(fn: Any, signature: dict[str, str], constexprs: dict[Any, Any],
+                   attrs: dict[Any, Any], options: dict[str, Any], arch: str = "sm_90a"
+                   ) -> dict[str, Any]:
+    """The jitted `fn` compiled for `arch` at this signature (`{arg: "*bf16" | "i32" |
+    "constexpr" ...}`), constexprs, attributes (divisibility hints) and options (`num_warps`,
+    ...), its PTX assembled by `ptxas -v`: `{"mma", "registers", "spills" (stored and loaded
+    bytes), "shared_bytes"}`."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, compile
+
+    if not hasattr(fn, "params"):
+        raise RuntimeError(f"{fn} was decorated under TRITON_INTERPRET=1: it has no compiled "
+                           "form")
+    cc = ARCHS[arch]
+    kernel = compile(ASTSource(fn, signature, constexprs, attrs),
+                     target=GPUTarget("cuda", cc, 32), options=options)
     ptx = kernel.asm["ptx"]
     with tempfile.TemporaryDirectory() as d:
         src = Path(d) / "k.ptx"

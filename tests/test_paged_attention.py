@@ -15,7 +15,6 @@ Tolerances: fp32 caches `rtol=1e-5, atol=2e-5` (different summation order only);
 from __future__ import annotations
 
 import os
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -491,29 +490,12 @@ def test_kernels_run_on_cpu_when_triton_was_imported_without_interpreter():
 
 def compile_sm90(fn, sig: dict[str, str], const: dict, num_warps: int,
                  attrs: dict | None = None) -> dict:
-    """`fn` compiled for sm_90a by Triton's compiler (no GPU), its PTX assembled by ptxas -v:
-    `{"mma", "regs", "spills", "shared", "ptx"}`. Shared with `tests/test_prefill_attention.py`."""
-    import re
-    import tempfile
+    """`fn` compiled for sm_90a by Triton's compiler (no GPU), its PTX assembled by ptxas -v
+    (`graphs.kernels.compile_source`): `{"mma", "registers", "spills", "shared_bytes"}`.
+    Shared with `tests/test_prefill_attention.py`."""
+    from graphs.kernels import compile_source
 
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    if not hasattr(fn, "params"):
-        pytest.fail(f"{fn} was decorated under TRITON_INTERPRET=1: it has no compiled form")
-    k = triton.compile(ASTSource(fn, sig, constexprs=const, attrs=attrs or {}),
-                       target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps))
-    ptx = k.asm["ptx"]
-    with tempfile.TemporaryDirectory() as d:
-        src = Path(d) / "k.ptx"
-        src.write_text(ptx)
-        res = subprocess.run([_ptxas(), "-v", "-arch=sm_90a", str(src), "-o", str(Path(d) / "k.o")],
-                             capture_output=True, text=True)
-    assert res.returncode == 0, res.stderr
-    return dict(mma="wgmma" if "wgmma" in ptx else "mma.sync" if "mma.sync" in ptx else "none",
-                regs=int(re.search(r"Used (\d+) registers", res.stderr).group(1)),
-                spills=int(re.search(r"(\d+) bytes spill stores", res.stderr).group(1)),
-                shared=k.metadata.shared, ptx=ptx)
+    return compile_source(fn, sig, const, attrs or {}, {"num_warps": num_warps})
 
 
 def _ptxas() -> str | None:
@@ -559,5 +541,5 @@ def test_kernels_compile_for_sm90_without_spills():
             else:
                 sig[a] = "fp32" if a == "qk_scale" else "i32"
         r = compile_sm90(fn, sig, const, nw)
-        assert r["spills"] == 0, (name, r["regs"])
-        assert r["shared"] <= 227 * 1024, (name, r["shared"])
+        assert r["spills"] == 0, (name, r["registers"])
+        assert r["shared_bytes"] <= 227 * 1024, (name, r["shared_bytes"])

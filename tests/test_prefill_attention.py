@@ -259,7 +259,7 @@ def test_mha_kernel_compiles_to_wgmma_without_spills():
     kimi = [("bf16", 128, 64, 128, True, False), ("bf16", 128, 64, 128, False, True)]
     other = [("fp32", 16, 16, 16, True, True), ("bf16", 16, 16, 16, False, True)]
     for case, r in _compile_sm90(kimi + other):
-        assert r["spills"] == 0 and r["shared"] <= 227 * 1024, (case, r)
+        assert r["spills"] == 0 and r["shared_bytes"] <= 227 * 1024, (case, r)
         if case in kimi:
             assert r["mma"] == "wgmma" and r["block_m"] == 128 and r["warps"] == 8, (case, r)
 
