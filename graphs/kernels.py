@@ -103,6 +103,15 @@ def recording() -> Iterator[_Recorder]:
             setattr(m, n, v)
 
 
+def recorded(use: str, run: Callable[[], Any], **shapes: Any) -> list[Launch]:
+    """The launches `run()` makes (`recording`), each marked with its `use` and `shapes`."""
+    with recording() as rec:
+        run()
+    for la in rec.launches:
+        la.use, la.shapes = use, shapes
+    return rec.launches
+
+
 def _meta(*shape: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     return torch.empty(*shape, dtype=dtype, device="meta")
 
@@ -119,37 +128,31 @@ def expert_launches(cfg: ModelConfig, tp: int, tokens: dict[str, list[int]]) -> 
     E, H, k = cfg.n_routed_experts, cfg.hidden_size, cfg.num_experts_per_tok
     inter = cfg.moe_intermediate_size // tp
     q = cfg.quantization
-    out: list[Launch] = []
-    for use, counts in tokens.items():
-        for T in counts:
-            x, idx = _meta(T, H), torch.empty(T, k, dtype=torch.int64, device="meta")
-            w = torch.empty(T, k, dtype=torch.float32, device="meta")
-            # the shared experts' rows, which the reduction adds (`MoE.forward`)
-            add = _meta(T, H) if cfg.n_shared_experts else None
-            with recording() as rec:
-                if q is not None and q.method == "int4":
-                    g = q.group_size
-                    moe_experts_w4a16_triton(
-                        x, idx, w, _meta(E, 2 * inter, -(-H // 8), dtype=torch.int32),
-                        _meta(E, 2 * inter, -(-H // g)), _meta(E, H, -(-inter // 8),
-                                                              dtype=torch.int32),
-                        _meta(E, H, -(-inter // g)), g, add=add)
-                elif q is not None and q.method == "fp8":
-                    b0, b1 = q.block_size
-                    f8 = torch.float8_e4m3fn
-                    moe_experts_fp8_triton(
-                        x, idx, w, _meta(E, 2 * inter, H, dtype=f8),
-                        _meta(E, -(-2 * inter // b0), -(-H // b1), dtype=torch.float32),
-                        _meta(E, H, inter, dtype=f8),
-                        _meta(E, -(-H // b0), -(-inter // b1), dtype=torch.float32), (b0, b1),
-                        add=add)
-                else:
-                    moe_experts_triton(x, idx, w, _meta(E, 2 * inter, H), _meta(E, H, inter),
-                                       add=add)
-            for la in rec.launches:
-                la.use, la.shapes = use, {"tokens": T}
-            out += rec.launches
-    return out
+
+    def bank(T: int) -> None:
+        x, idx = _meta(T, H), torch.empty(T, k, dtype=torch.int64, device="meta")
+        w = torch.empty(T, k, dtype=torch.float32, device="meta")
+        # the shared experts' rows, which the reduction adds (`MoE.forward`)
+        add = _meta(T, H) if cfg.n_shared_experts else None
+        if q is not None and q.method == "int4":
+            g = q.group_size
+            moe_experts_w4a16_triton(
+                x, idx, w, _meta(E, 2 * inter, -(-H // 8), dtype=torch.int32),
+                _meta(E, 2 * inter, -(-H // g)), _meta(E, H, -(-inter // 8), dtype=torch.int32),
+                _meta(E, H, -(-inter // g)), g, add=add)
+        elif q is not None and q.method == "fp8":
+            b0, b1 = q.block_size
+            f8 = torch.float8_e4m3fn
+            moe_experts_fp8_triton(
+                x, idx, w, _meta(E, 2 * inter, H, dtype=f8),
+                _meta(E, -(-2 * inter // b0), -(-H // b1), dtype=torch.float32),
+                _meta(E, H, inter, dtype=f8),
+                _meta(E, -(-H // b0), -(-inter // b1), dtype=torch.float32), (b0, b1), add=add)
+        else:
+            moe_experts_triton(x, idx, w, _meta(E, 2 * inter, H), _meta(E, H, inter), add=add)
+
+    return [la for use, counts in tokens.items() for T in counts
+            for la in recorded(use, lambda T=T: bank(T), tokens=T)]
 
 
 def attention_launches(cfg: ModelConfig, draft: DraftConfig | None, tp: int, chunk: int,
@@ -166,11 +169,7 @@ def attention_launches(cfg: ModelConfig, draft: DraftConfig | None, tp: int, chu
     out: list[Launch] = []
 
     def record(use: str, run: Callable[[], Any], **shapes: Any) -> None:
-        with recording() as rec:
-            run()
-        for la in rec.launches:
-            la.use, la.shapes = use, shapes
-        out.extend(rec.launches)
+        out.extend(recorded(use, run, **shapes))
 
     def mla(bs: int, rows: int) -> Callable[[], Any]:
         table = torch.empty(bs, pages, dtype=torch.int32, device="meta")
@@ -225,17 +224,12 @@ def norm_launches(cfg: ModelConfig, draft: DraftConfig | None) -> list[Launch]:
     widths = {cfg.hidden_size, cfg.kv_lora_rank, *([cfg.q_lora_rank] if cfg.q_lora_rank else []),
               *([draft.head_dim] if draft is not None else [])}
     out: list[Launch] = []
-    runs: list[tuple[int, Callable[[], Any]]] = [
-        (H, lambda H=H: rms_norm_triton(_meta(4, H), _meta(H), 1e-6)) for H in sorted(widths)]
+    for H in sorted(widths):
+        out += recorded("norm", lambda H=H: rms_norm_triton(_meta(4, H), _meta(H), 1e-6),
+                        width=H)
     H = cfg.hidden_size
-    runs.append((H, lambda: add_rms_norm_triton(_meta(4, H), _meta(4, H), _meta(H), 1e-6)))
-    for width, run in runs:
-        with recording() as rec:
-            run()
-        for la in rec.launches:
-            la.use, la.shapes = "norm", {"width": width}
-        out += rec.launches
-    return out
+    return out + recorded("norm", lambda: add_rms_norm_triton(_meta(4, H), _meta(4, H),
+                                                              _meta(H), 1e-6), width=H)
 
 
 def rope_launches(cfg: ModelConfig, tp: int) -> list[Launch]:
@@ -244,14 +238,11 @@ def rope_launches(cfg: ModelConfig, tp: int) -> list[Launch]:
     from ops.rope_triton import rope_tail_triton
 
     heads, P = cfg.num_attention_heads // tp, cfg.qk_rope_head_dim
+    angles = _meta(4, P // 2, dtype=torch.float32)
     out: list[Launch] = []
     for h, nope in ((heads, cfg.qk_nope_head_dim), (1, 0)):
-        with recording() as rec:
-            rope_tail_triton(_meta(4, h, nope + P), _meta(4, P // 2, dtype=torch.float32),
-                             _meta(4, P // 2, dtype=torch.float32), nope)
-        for la in rec.launches:
-            la.use, la.shapes = "rope", {"heads": h, "nope": nope}
-        out += rec.launches
+        out += recorded("rope", lambda h=h, nope=nope: rope_tail_triton(
+            _meta(4, h, nope + P), angles, angles, nope), heads=h, nope=nope)
     return out
 
 
