@@ -14,7 +14,6 @@ step, and reads back the small decision tensors.
 from __future__ import annotations
 
 import contextlib
-import gc
 import time
 from collections import defaultdict
 from collections.abc import Iterator, Mapping, Sequence
@@ -27,6 +26,7 @@ from torch import Tensor
 
 from engine.config import Logprob, SamplingParams
 from engine.cpu import COMPILE_HINT, CompiledCPUSteps, eager_expert_pass
+from engine.heap import frozen_heap
 from engine.kv_cache import KVPool
 from engine.page_table import StagedPageTables
 from engine.policy import budgets_for_sizes
@@ -416,23 +416,20 @@ class StepGraphRunner:
 
         todo = [(bs, s) for bs in sorted(self.capture_sizes, reverse=True)
                 for s in self.shapes_of(bs)]
-        gc.collect()
-        gc.freeze()
         bs, shape = todo[0]
-        try:
-            self.mem_pool = mem_pool = self._new_pool()
-            for bs, shape in tqdm(todo, desc="capturing step graphs", disable=not progress):
-                t0, m0 = time.perf_counter(), self._reserved()
-                self.graphs[(bs, shape)] = self._capture_one(bs, shape, mem_pool)
-                self.capture_stats[(bs, shape)] = {
-                    "seconds": time.perf_counter() - t0, "bytes": self._reserved() - m0}
-        except Exception as e:
-            raise CaptureError(
-                f"capturing the {shape.mode} step at batch size {bs} failed: "
-                f"{type(e).__name__}: {e}. Graph size is set by {self._knobs(bs)}; lower one "
-                f"(or leave more GPU memory outside the KV pool) and retry.") from e
-        finally:
-            gc.unfreeze()
+        with frozen_heap():
+            try:
+                self.mem_pool = mem_pool = self._new_pool()
+                for bs, shape in tqdm(todo, desc="capturing step graphs", disable=not progress):
+                    t0, m0 = time.perf_counter(), self._reserved()
+                    self.graphs[(bs, shape)] = self._capture_one(bs, shape, mem_pool)
+                    self.capture_stats[(bs, shape)] = {
+                        "seconds": time.perf_counter() - t0, "bytes": self._reserved() - m0}
+            except Exception as e:
+                raise CaptureError(
+                    f"capturing the {shape.mode} step at batch size {bs} failed: "
+                    f"{type(e).__name__}: {e}. Graph size is set by {self._knobs(bs)}; lower "
+                    f"one (or leave more GPU memory outside the KV pool) and retry.") from e
 
     def _build_compiled(self, progress: bool, lagging: bool) -> None:
         from tqdm import tqdm

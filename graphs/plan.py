@@ -71,6 +71,7 @@ import engine.spec as spec
 from engine.attention import PagedBackend
 from engine.config import DraftConfig, EngineConfig, ModelConfig, int_list
 from engine.dist import Group
+from engine.heap import frozen_heap
 from engine.kv_cache import KVPool, pages_needed
 from engine.media import MediaConfig
 from engine.memory import (
@@ -96,7 +97,6 @@ from graphs.rehearse import (
     Tally,
     cuda_backend,
     engine_shapes,
-    frozen_heap,
     late_kinds,
     launches,
     rehearse_prefill,

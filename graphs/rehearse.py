@@ -301,19 +301,6 @@ def _recipe(out: Any, args: Any, kwargs: dict[str, Any]) -> Any:
     return (type(out) if isinstance(out, list | tuple) else None, parts)
 
 
-@contextmanager
-def frozen_heap() -> Iterator[None]:
-    """Collect garbage once, then keep every object alive now out of the collections that
-    begin each phase (`gc.freeze`), which then scan only what was made since: with torch
-    imported, a full collection takes about 0.2 s on a CPU, more than a small phase."""
-    gc.collect()
-    gc.freeze()
-    try:
-        yield
-    finally:
-        gc.unfreeze()
-
-
 class DeviceMode(TorchDispatchMode):
     """Runs every op on the meta device as it comes, counting into `tally` (see the module
     docstring); ops on host tensors alone run for real, uncounted. An op seen before at the

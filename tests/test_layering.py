@@ -16,7 +16,7 @@ LAYERS = [
     ("ops",),
     ("engine.config", "engine.cpu_mesh", "engine.dist", "engine.kv_cache", "engine.prefix_cache",
      "engine.media",
-     "engine.page_table", "engine.memory",
+     "engine.page_table", "engine.memory", "engine.heap",
      "engine.chat",
      "engine.tool_declaration",
      "engine.tokenizer", "engine.grammar",

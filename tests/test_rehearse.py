@@ -128,3 +128,29 @@ def test_device_mode_cache_gives_what_the_kernels_give():
     assert first[0].shape == again[0].shape == (3, 3)
     assert [v.shape for v in again[1]] == [(8, 2), (8, 2)]
     assert again[1][1].dtype == torch.int64 and again[2] is x
+
+
+def test_a_frozen_phase_leaves_the_heap_as_it_found_it():
+    """`frozen_heap` freezes what is alive on entry (after collecting the garbage there is)
+    and unfreezes it after; a heap a caller froze (the server's after start-up, this test
+    session's after collection) stays frozen, and so does what joined it inside."""
+    import gc
+
+    from engine.heap import freeze_heap, frozen_heap
+
+    was = gc.get_freeze_count()
+    gc.unfreeze()
+    try:
+        with frozen_heap():
+            inside = gc.get_freeze_count()
+            assert inside > 0
+        assert gc.get_freeze_count() == 0
+        freeze_heap()
+        outer = gc.get_freeze_count()
+        alive = [[] for _ in range(1000)]  # noqa: F841 (alive on entry below)
+        with frozen_heap():
+            assert gc.get_freeze_count() >= outer + 1000
+        assert gc.get_freeze_count() >= outer + 1000
+    finally:
+        freeze_heap()
+        assert gc.get_freeze_count() >= was

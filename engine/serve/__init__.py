@@ -34,9 +34,11 @@ def main(argv: list[str] | None = None) -> None:
         return serve(engine, cfg, threads)
     # tensor-parallel ranks > 0 run rank 0's model calls until it stops
     from engine.dist import PeerLost
+    from engine.heap import freeze_heap
     from engine.llm import LLM, compile_auto
 
     llm = LLM(config=compile_auto(engine, False), warm_up=False)
+    freeze_heap()
     try:
         llm.close()
     except PeerLost as e:

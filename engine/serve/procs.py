@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.config import EngineConfig
+from engine.heap import freeze_heap
 from engine.request import Limits
 from engine.serve.options import ServeConfig
 
@@ -133,6 +134,7 @@ def frontend(cfg: ServeConfig, model_dir: Path, commands: Connection, reports: C
             finally:
                 timer.cancel()
 
+    freeze_heap()  # start-up is done: later collections scan only what serving makes
     Server(config).run(sockets=[sock])
 
 
@@ -168,6 +170,7 @@ def serve(engine_cfg: EngineConfig, cfg: ServeConfig, threads: int) -> None:
         torch.set_num_threads(threads)
         llm = LLM(config=compile_auto(engine_cfg, False), warm_up=False)
         llm.runner.capture(lagging=True)
+        freeze_heap()
     except BaseException:
         end("the engine did not start")
         _reap(front)
