@@ -303,12 +303,12 @@ class ExpertBank(nn.Module):
                 setattr(self, name, nn.Parameter(torch.empty(e, rows, cols)))
 
     def stored_tensors(self) -> dict[str, Stored]:
-        tp, w, i, H = self.tp, world_of(self.tp), self.inter, self.hidden
-        rank = tp.rank if tp else 0
+        w, i, H = world_of(self.tp), self.inter, self.hidden
         suffixes = {"int4": ("_packed", "_scale"), "fp8": ("", "_scale_inv")}.get(self.fmt, ("",))
         # NOTE: ~200k entries at Kimi's size: each is an int index into a stack already cut to
-        # the projection (a slice per expert costs twice as much) with its shape made once.
-        parts = []
+        # the projection (a slice per expert costs twice as much), beside its projection's
+        # first expert's entry (the shape, split and rank every expert shares).
+        views = []
         for suffix in suffixes:
             w13, w2 = getattr(self, "w13" + suffix), getattr(self, "w2" + suffix)
             # NOTE: FP8 scales hold a row per block of weight rows: the gate's end where the
@@ -316,18 +316,18 @@ class ExpertBank(nn.Module):
             j = i // self.block[0] if suffix == "_scale_inv" else i
             for proj, stack, dim in (("gate", w13[:, :j], 0), ("up", w13[:, j:], 0),
                                      ("down", w2, 1)):
-                shape = list(stack.shape[1:])
-                shape[dim] *= w
-                parts.append((f".{proj}_proj.weight{suffix}", stack, tuple(shape), dim))
-        if self.fmt == "int4":
-            for proj, shape in (("gate", (i * w, H)), ("up", (i * w, H)), ("down", (H, i * w))):
-                parts.append((f".{proj}_proj.weight_shape", None,
-                              Stored((2,), None, None, value=shape), None))
+                views.append((f".{proj}_proj.weight{suffix}", stack,
+                              _stored(stack[0], dim, self.tp)))
+        # INT4 linears' `weight_shape`s: only checked, the same for every expert
+        shapes = [(f".{proj}_proj.weight_shape", Stored((2,), None, None, value=shape))
+                  for proj, shape in (("gate", (i * w, H)), ("up", (i * w, H)),
+                                      ("down", (H, i * w)))] if self.fmt == "int4" else []
         out = {}
         for e in range(self.num_experts):
-            for name, stack, shape, dim in parts:
-                out[f"{e}{name}"] = shape if stack is None else \
-                    Stored(shape, dim, stack[e], rank, w)
+            for name, stack, s in views:
+                out[f"{e}{name}"] = Stored(s.shape, s.dim, stack[e], s.rank, s.world)
+            for name, s in shapes:
+                out[f"{e}{name}"] = s
         return out
 
     def weights(self, experts: Tensor | int | None, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
