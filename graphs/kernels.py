@@ -273,6 +273,15 @@ def ptxas_path(arch: int) -> str:
     return get_ptxas(arch).path
 
 
+def _compilable(fn: Any) -> Any:
+    """`fn`, a jitted kernel with a compiled form (one decorated under `TRITON_INTERPRET=1` has
+    none)."""
+    if not hasattr(fn, "params"):
+        raise RuntimeError(f"{fn} was decorated under TRITON_INTERPRET=1: it has no compiled "
+                           "form")
+    return fn
+
+
 def compile_launch(la: Launch, arch: str = "sm_90a") -> dict[str, Any]:
     """Compile one recorded launch for `arch` as Triton's launcher would specialize it, then
     read `ptxas -v`: `{"mma", "registers", "spills", "shared_bytes"}`."""
@@ -280,7 +289,7 @@ def compile_launch(la: Launch, arch: str = "sm_90a") -> dict[str, Any]:
     from triton.compiler import make_backend
     from triton.runtime.jit import create_function_from_signature
 
-    fn = la.kernel
+    fn = _compilable(la.kernel)
     backend = make_backend(GPUTarget("cuda", ARCHS[arch], 32))
     binder = create_function_from_signature(fn.signature, fn.params, backend)
     kwargs = dict(la.kwargs, debug=False)
@@ -299,11 +308,8 @@ def compile_source(fn: Any, signature: dict[str, str], constexprs: dict[Any, Any
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource, compile
 
-    if not hasattr(fn, "params"):
-        raise RuntimeError(f"{fn} was decorated under TRITON_INTERPRET=1: it has no compiled "
-                           "form")
     cc = ARCHS[arch]
-    kernel = compile(ASTSource(fn, signature, constexprs, attrs),
+    kernel = compile(ASTSource(_compilable(fn), signature, constexprs, attrs),
                      target=GPUTarget("cuda", cc, 32), options=options)
     ptx = kernel.asm["ptx"]
     with tempfile.TemporaryDirectory() as d:
