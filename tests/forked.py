@@ -24,7 +24,7 @@ def _run(env: dict[str, str], argv: list[str], err: str) -> None:
     to the file `err`, then `argv` as `python argv...` runs it (`-m MODULE ...` or a script)."""
     os.environ.update(env)
     for fd, path, flags in ((1, os.devnull, os.O_WRONLY),
-                            (2, err, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)):
+                            (2, err, os.O_WRONLY | os.O_APPEND)):
         f = os.open(path, flags, 0o644)
         os.dup2(f, fd)
         os.close(f)
@@ -64,7 +64,7 @@ class Rank:
 
 def launch(n: int, argv: list[str], tmp: Path, port: int) -> list[tuple[Rank, Path]]:
     """`n` ranks of `python argv...` in torchrun's environment (the rendezvous on `port`), each
-    one's stderr in `tmp/rank{r}.err`."""
+    one's stderr in `tmp/rank{r}.err` (it exists on return, empty until the rank writes)."""
     ctx = multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload(["tests.forked"])
     ranks = []
@@ -73,6 +73,7 @@ def launch(n: int, argv: list[str], tmp: Path, port: int) -> list[tuple[Rank, Pa
                "LOCAL_WORLD_SIZE": str(n), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
                "OMP_NUM_THREADS": "1"}
         err = tmp / f"rank{r}.err"
+        err.touch()  # before the rank runs, so a caller may read it at once
         p = ctx.Process(target=_run, args=(env, argv, str(err)), daemon=True)
         p.start()
         ranks.append((Rank(p), err))
