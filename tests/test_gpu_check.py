@@ -115,7 +115,7 @@ def test_quick():
     pass
 
 def test_hangs():
-    time.sleep(60)
+    time.sleep(600)
 
 def test_after():
     pass
@@ -125,12 +125,12 @@ def test_after():
 def test_a_test_over_the_per_test_limit_fails_alone(tmp_path):
     (tmp_path / "test_slow.py").write_text(SLOW_TESTS)
     junit = tmp_path / "j.xml"
-    t0 = time.monotonic()
+    # the hanging test sleeps 600 s: only the per-test limit ends the run before the timeout
     r = subprocess.run([sys.executable, "-m", "pytest", str(tmp_path / "test_slow.py"),
                         "-p", "no:cacheprovider", "-o", "addopts=", f"--junitxml={junit}",
                         "-p", "bench.pytest_limit", "--test-limit=1"], cwd=REPO,
-                       capture_output=True, text=True, timeout=60)
-    assert time.monotonic() - t0 < 30 and r.returncode == 1
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 1
     cases = {c.get("name"): c for c in ET.parse(junit).getroot().iter("testcase")}
     assert set(cases) == {"test_quick", "test_hangs", "test_after"}
     failure = cases["test_hangs"].find("failure")
@@ -149,7 +149,7 @@ def _fake_python(tmp_path: Path, pidfile: Path | None = None) -> Path:
                       f'esac; done\n  exec {sys.executable} -m pytest {tmp_path}/test_slow.py '
                       '"${args[@]:2}"\n')
     else:
-        run_pytest = f'  echo $$ > "{pidfile}"; exec sleep 60\n'
+        run_pytest = f'  echo $$ > "{pidfile}"; exec sleep 600\n'
     fake.write_text("#!/usr/bin/env bash\n"
                     'if [ "$1" = "-m" ] && [ "$2" = pytest ]; then\n' + run_pytest + "fi\n"
                     f'if [ "$1" = "-" ]; then exec {sys.executable} "$@"; fi\n'
@@ -164,10 +164,9 @@ def test_a_part_at_its_limit_gets_sigint_and_keeps_its_junit(tmp_path):
     env = _env(tmp_path, PYTHON=str(_fake_python(tmp_path)), SHIPPING_TIMEOUT="5",
                GRAPHS_TIMEOUT="1", TRITON_TIMEOUT="1", TEST_TIMEOUT="0", GRACE="5",
                MIN_PART="3", PROFILE="0", LAYER="0")
-    t0 = time.monotonic()
+    # the part's pytest sleeps 600 s: only its 5 s limit ends the script before the timeout
     r = subprocess.run(["bash", str(SCRIPT), str(out)], env=env, capture_output=True, text=True,
-                       timeout=120)
-    assert time.monotonic() - t0 < 60
+                       timeout=300)
     summary = (out / "summary.txt").read_text()
     shipping = next(line for line in summary.splitlines() if "the shipping path" in line)
     assert "TIMEOUT after 5s" in shipping
