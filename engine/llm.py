@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from engine.attention import prefill_score_bytes, select_backend
 from engine.config import (
     DEFAULT_BUDGET,
     ENGINE_NAMES,
@@ -196,7 +197,9 @@ def check_fits(cfg: EngineConfig, device: torch.device, dtype: torch.dtype,
                                                   else 0)) // cfg.tp + tower
     reserve = activation_reserve(mc, tp=cfg.tp, max_batch_size=cfg.max_batch_size, step_rows=1,
                                  prefill_tokens=prefill_chunk(cfg, device), dtype_bytes=nbytes,
-                                 cuda=device.type == "cuda", vision=vision,
+                                 cuda=device.type == "cuda",
+                                 prefill_score_bytes=prefill_score_bytes(cfg.attention, device),
+                                 vision=vision,
                                  image_patches=MediaConfig.from_dir(model).max_patches)
     size_kv_pool(budget_bytes=budget[0], used_bytes=budget[1] + weights,
                  reserve_bytes=reserve.total,
@@ -367,7 +370,9 @@ class LLM:
             used_bytes=used, budget_flag=budget[2], tp=cfg.tp,
             max_batch_size=cfg.max_batch_size, step_rows=step_rows,
             prefill_tokens=prefill_chunk(cfg, device), dtype_bytes=torch.finfo(dtype).bits // 8,
-            cuda=device.type == "cuda", bytes_per_token=self.models.kv_bytes_per_token(dtype),
+            cuda=device.type == "cuda",
+            prefill_score_bytes=prefill_score_bytes(cfg.attention, device),
+            bytes_per_token=self.models.kv_bytes_per_token(dtype),
             page_size=cfg.page_size, max_model_len=self.max_model_len,
             pages_per_context=max_pages,
             vision=self.models.vision.cfg if self.models.vision is not None else None,
@@ -397,8 +402,6 @@ class LLM:
         """How attention reads the paged caches (`--attention`, `engine.attention`): a backend
         built for every (batch size, tree nodes) the runner steps; the runner lets it plan
         before each step, outside the graph."""
-        from engine.attention import select_backend
-
         r = self.runner
         steps = [(bs, s.num_nodes) for bs in r.capture_sizes for s in r.shapes_of(bs)]
         self.models.attention = select_backend(self.config.attention, self.models.target,

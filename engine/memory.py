@@ -132,18 +132,25 @@ def default_prefill_chunk(device_type: str) -> int:
     return PREFILL_CHUNK["cpu" if device_type == "cpu" else "cuda"]
 
 
-def prefill_activation_bytes(mc: Any, *, tokens: int, tp: int, dtype_bytes: int) -> int:
+def prefill_activation_bytes(mc: Any, *, tokens: int, tp: int, dtype_bytes: int,
+                             score_bytes: int) -> int:
     """One prefill forward's live activations over `tokens` tokens (a `ModelConfig`), estimated:
-    every layer's cache rows (listed, then stacked), the naive MLA attention of one layer
-    (queries, keys and values expanded per head, float32 scores), the widest MLP of one layer,
-    the grouped expert kernels' scratch (a hidden row and an activation row per token and
-    chosen expert, `ops.moe.fused_workspace_bytes`) and a few hidden-state copies in float32."""
-    from ops.moe import fused_workspace_bytes  # NOTE: here, so the HTTP process imports no torch
+    every layer's cache rows (listed, then stacked), one layer's attention in the MHA form
+    (queries, keys and values expanded per head, `score_bytes` per query, key and head of the
+    chunk's causal square: `ops.prefill.MHAPass.score_bytes`, 0 for a flash kernel, and one
+    prefix chunk, `ops.prefill.PREFIX_CHUNK_BYTES`, with its float32 partial outputs), the
+    widest MLP of one layer, the grouped expert kernels' scratch (a hidden row and an activation
+    row per token and chosen expert, `ops.moe.fused_workspace_bytes`) and a few hidden-state
+    copies in float32."""
+    # NOTE: here, so the HTTP process imports no torch
+    from ops.moe import fused_workspace_bytes
+    from ops.prefill import PREFIX_CHUNK_BYTES
 
     heads = -(-mc.num_attention_heads // tp)
     rows = 2 * mc.num_hidden_layers * tokens * mc.kv_cache_dim * dtype_bytes
     attn = heads * tokens * (2 * mc.qk_head_dim + mc.v_head_dim) * dtype_bytes \
-        + heads * tokens * tokens * 4
+        + heads * tokens * tokens * score_bytes \
+        + PREFIX_CHUNK_BYTES + 3 * heads * tokens * (mc.v_head_dim + 1) * 4
     moe = (mc.num_experts_per_tok + mc.n_shared_experts) * mc.moe_intermediate_size
     mlp = 3 * tokens * max(mc.intermediate_size // tp, moe) * dtype_bytes
     scratch = fused_workspace_bytes(tokens, mc.num_experts_per_tok, mc.hidden_size,
@@ -183,16 +190,20 @@ class Reserve:
 
 def activation_reserve(mc: Any, *, tp: int, max_batch_size: int, step_rows: int,
                        prefill_tokens: int, dtype_bytes: int, cuda: bool,
-                       vision: Any = None, image_patches: int = 0) -> Reserve:
+                       prefill_score_bytes: int, vision: Any = None,
+                       image_patches: int = 0) -> Reserve:
     """The reserve for `mc` (a `ModelConfig`): the step of `max_batch_size` rows of `step_rows`
     tokens each (tree nodes plus draft block), a prefill of `prefill_tokens` tokens (one engine
-    step's prefill, `--prefill-chunk`: a longer prompt is chunked), with a vision tower
+    step's prefill, `--prefill-chunk`: a longer prompt is chunked) whose attention materializes
+    `prefill_score_bytes` per query, key and head (`engine.attention.prefill_score_bytes`), with
+    a vision tower
     (`vision`, a `VisionConfig`) the encoding of an image of `image_patches` patches (the most
     the preprocessing leaves) and, on CUDA, the fixed overhead."""
     return Reserve(
         step=step_activation_bytes(rows=max_batch_size * step_rows, vocab_size=mc.vocab_size),
         prefill=prefill_activation_bytes(mc, tokens=prefill_tokens, tp=tp,
-                                         dtype_bytes=dtype_bytes),
+                                         dtype_bytes=dtype_bytes,
+                                         score_bytes=prefill_score_bytes),
         overhead=CUDA_OVERHEAD_BYTES if cuda else 0,
         image=image_activation_bytes(vision, patches=image_patches, dtype_bytes=dtype_bytes)
         if vision is not None else 0)
@@ -284,8 +295,8 @@ def size_kv_pool(*, budget_bytes: int, used_bytes: int, reserve_bytes: int,
 
 def engine_pool(mc: Any, *, kv_pages: int | None, budget_bytes: int | None, used_bytes: int,
                 budget_flag: str, tp: int, max_batch_size: int, step_rows: int,
-                prefill_tokens: int, dtype_bytes: int, cuda: bool, bytes_per_token: int,
-                page_size: int, max_model_len: int, pages_per_context: int,
+                prefill_tokens: int, dtype_bytes: int, cuda: bool, prefill_score_bytes: int,
+                bytes_per_token: int, page_size: int, max_model_len: int, pages_per_context: int,
                 prefix_caching: bool = True, vision: Any = None, image_patches: int = 0
                 ) -> tuple[Reserve, PoolSize | None, KVMemoryError | None]:
     """What the engine sizes once its weights are loaded (`engine.llm.LLM`, and `graphs.plan`
@@ -294,7 +305,8 @@ def engine_pool(mc: Any, *, kv_pages: int | None, budget_bytes: int | None, used
     (None), else `size_kv_pool`'s; no pool and the error when not one full context fits."""
     reserve = activation_reserve(mc, tp=tp, max_batch_size=max_batch_size, step_rows=step_rows,
                                  prefill_tokens=prefill_tokens, dtype_bytes=dtype_bytes,
-                                 cuda=cuda, vision=vision, image_patches=image_patches)
+                                 cuda=cuda, prefill_score_bytes=prefill_score_bytes,
+                                 vision=vision, image_patches=image_patches)
     if kv_pages is not None or budget_bytes is None:
         cap = 1 + max_batch_size * pages_per_context
         pages = cap if kv_pages is None else kv_pages

@@ -68,7 +68,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode, flop_registry
 
 import engine.spec as spec
-from engine.attention import PagedBackend
+from engine.attention import PagedBackend, prefill_score_bytes
 from engine.config import DraftConfig, EngineConfig, ModelConfig, int_list
 from engine.dist import Group
 from engine.heap import frozen_heap
@@ -851,6 +851,7 @@ def sizing(a: argparse.Namespace, models: Models, dtype: torch.dtype, gpu_memory
         c, kv_pages=a.kv_pages, budget_bytes=budget, used_bytes=used, budget_flag=flag, tp=a.tp,
         max_batch_size=max_batch_size, step_rows=widest.num_nodes + shape.block_size,
         prefill_tokens=chunk, dtype_bytes=torch.finfo(dtype).bits // 8, cuda=True,
+        prefill_score_bytes=prefill_score_bytes("auto", torch.device("cuda")),
         bytes_per_token=kv_token, page_size=a.page_size, max_model_len=max_len,
         pages_per_context=max_pages, prefix_caching=a.enable_prefix_caching,
         vision=models.vision.cfg if models.vision is not None else None,

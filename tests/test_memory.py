@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 import engine.llm as llm_mod
 from engine.config import EngineConfig, ModelConfig, SamplingParams
@@ -18,6 +19,7 @@ from engine.memory import (
     parse_size,
     size_kv_pool,
 )
+from ops.prefill import TORCH_MHA
 
 REPO = Path(__file__).resolve().parent.parent
 PAGE_BYTES = 16 * 1000  # page_size 16, 1000 bytes a token
@@ -76,15 +78,31 @@ def test_the_least_pool_is_the_dummy_page_and_one_context():
 
 def test_the_reserve_covers_a_step_a_prefill_and_on_cuda_the_overhead():
     mc = ModelConfig.from_dir(REPO / "configs" / "kimi-k2.5-text")
-    cpu = activation_reserve(mc, tp=8, max_batch_size=8, step_rows=25, prefill_tokens=2048,
-                             dtype_bytes=2, cuda=False)
-    cuda = activation_reserve(mc, tp=8, max_batch_size=8, step_rows=25, prefill_tokens=2048,
-                              dtype_bytes=2, cuda=True)
+    kw = dict(tp=8, max_batch_size=8, step_rows=25, prefill_tokens=2048, dtype_bytes=2)
+    cpu = activation_reserve(mc, **kw, cuda=False, prefill_score_bytes=0)
+    cuda = activation_reserve(mc, **kw, cuda=True, prefill_score_bytes=0)
     assert cpu.overhead == 0 and cuda.overhead == CUDA_OVERHEAD_BYTES
     assert cuda.total == cpu.total + CUDA_OVERHEAD_BYTES
     assert cpu.step == 3 * 8 * 25 * mc.vocab_size * 4
     # every layer's 2048 cache rows (listed, then stacked) at least
     assert cpu.prefill > 2 * 61 * 2048 * 576 * 2
+    # the twin's scores: 8 bytes per query, key and head of the chunk's square (8 heads a rank)
+    twin = activation_reserve(mc, **kw, cuda=True, prefill_score_bytes=8)
+    assert twin.prefill - cuda.prefill == 8 * 2048 * 2048 * 8
+
+
+def test_the_prefill_reserve_counts_the_scores_the_engine_would_materialize():
+    """Flash passes (the Triton kernel, flashinfer's ragged prefill) on CUDA materialize no
+    scores; the torch backend's twin, and every pass on the CPU, does."""
+    from engine.attention import prefill_score_bytes
+    from ops.custom_ops import triton_available
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    flash = 0 if triton_available() else TORCH_MHA.score_bytes(cuda)
+    assert prefill_score_bytes("auto", cuda) == prefill_score_bytes("triton", cuda) == flash
+    assert prefill_score_bytes("flashinfer", cuda) == flash
+    assert prefill_score_bytes("torch", cuda) == TORCH_MHA.score_bytes(cuda) == 8
+    assert all(prefill_score_bytes(w, cpu) == 8 for w in ("auto", "triton", "torch"))
 
 
 def test_checkpoint_bytes_reads_the_index():

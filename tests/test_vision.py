@@ -144,7 +144,7 @@ def test_the_tower_is_counted_whole_on_every_rank(ckpt, tower):
     most = MediaConfig().max_patches
     assert most >= 16384 and 128 * 128 <= most
     kw = dict(tp=1, max_batch_size=1, step_rows=1, prefill_tokens=64, dtype_bytes=2,
-              cuda=True)
+              cuda=True, prefill_score_bytes=0)
     with_tower = activation_reserve(mc, **kw, vision=vc, image_patches=most)
     assert with_tower.image == image_activation_bytes(vc, patches=most, dtype_bytes=2) > 0
     assert with_tower.total == activation_reserve(mc, **kw).total + with_tower.image

@@ -7,15 +7,18 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+import torch
+
 from engine.attention.base import AttentionBackend, DraftContext, Setup
 from engine.attention.flashinfer import FlashInferBackend
-from engine.attention.paged import PagedBackend
+from engine.attention.paged import KERNEL_MHA, PagedBackend
 from engine.attention.torch import TorchBackend
 from engine.kv_cache import KVPool
 from engine.models.kimi import KimiForCausalLM
+from ops.prefill import TORCH_MHA
 
 __all__ = ["BACKENDS", "AttentionBackend", "DraftContext", "FlashInferBackend", "PagedBackend",
-           "Setup", "TorchBackend", "options", "select_backend"]
+           "Setup", "TorchBackend", "options", "prefill_score_bytes", "select_backend"]
 
 # Every backend, in the order `auto` tries them: the first whose `auto` holds is taken (on CUDA
 # flashinfer, else the Triton kernels, else torch; on the CPU torch). The last must always hold.
@@ -25,6 +28,16 @@ BACKENDS: list[type[AttentionBackend]] = [FlashInferBackend, PagedBackend, Torch
 def options() -> tuple[str, ...]:
     """The `--attention` values: `auto` and each backend's `option`."""
     return ("auto", *(b.option for b in BACKENDS))
+
+
+def prefill_score_bytes(want: str, device: torch.device) -> int:
+    """Bytes per (query, key, head) a prefill's attention materializes under `--attention
+    want` on `device` (`ops.prefill.MHAPass.score_bytes`), known before the pool that
+    `select_backend` needs: the torch backend's twin materializes its scores; every other
+    backend, and `auto`, runs `torch.ops.kimi.mha_prefill` or flashinfer's ragged prefill, flash
+    kernels on CUDA where Triton imports (where it does not, `auto` may fall back to the twin:
+    counted as the twin)."""
+    return (TORCH_MHA if want == "torch" else KERNEL_MHA).score_bytes(device)
 
 
 def select_backend(want: str, target: KimiForCausalLM, pool: KVPool,
