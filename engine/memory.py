@@ -196,9 +196,8 @@ def activation_reserve(mc: Any, *, tp: int, max_batch_size: int, step_rows: int,
     tokens each (tree nodes plus draft block), a prefill of `prefill_tokens` tokens (one engine
     step's prefill, `--prefill-chunk`: a longer prompt is chunked) whose attention materializes
     `prefill_score_bytes` per query, key and head (`engine.attention.prefill_score_bytes`), with
-    a vision tower
-    (`vision`, a `VisionConfig`) the encoding of an image of `image_patches` patches (the most
-    the preprocessing leaves) and, on CUDA, the fixed overhead."""
+    a vision tower (`vision`, a `VisionConfig`) the encoding of an image of `image_patches`
+    patches (the most the preprocessing leaves) and, on CUDA, the fixed overhead."""
     return Reserve(
         step=step_activation_bytes(rows=max_batch_size * step_rows, vocab_size=mc.vocab_size),
         prefill=prefill_activation_bytes(mc, tokens=prefill_tokens, tp=tp,
