@@ -76,17 +76,20 @@ def mha_attention(q: Tensor, k_nope: Tensor, k_pe: Tensor, v: Tensor, scale: flo
     output `[B, T, H, Dv]` fp32 and LSE `[B, T, H]`, merged with `(prev_o, prev_lse)` when
     given."""
     dn = k_nope.shape[-1]
+    # NOTE: in place where nothing (autograd included: the drafter's and the mini model's
+    # training run this) needs the old values, so at most two `[B, H, T, N]` fp32 tensors live
+    # at once (`TorchMHA.score_bytes`); the same values, op for op, as out of place
     s = torch.einsum("bqhd,bkhd->bhqk", q[..., :dn].float(), k_nope.float())
-    s = s + torch.einsum("bqhd,bkd->bhqk", q[..., dn:].float(), k_pe.float())
-    s = s * scale
+    s += torch.einsum("bqhd,bkd->bhqk", q[..., dn:].float(), k_pe.float())
+    s *= scale
     if causal:
         T = s.shape[-1]
         pos = torch.arange(T, device=s.device)
-        s = s.masked_fill(pos[None, :] > pos[:, None], float("-inf"))
+        s.masked_fill_(pos[None, :] > pos[:, None], float("-inf"))
     # NOTE: every row sees at least one key (causal: itself; a prefix chunk: all of it), so the
     # row maximum is finite
     m = s.amax(dim=-1, keepdim=True)
-    p = torch.exp(s - m)
+    p = (s - m).exp_()
     denom = p.sum(dim=-1, keepdim=True)  # [B, H, T, 1]
     o = torch.einsum("bhqk,bkhd->bqhd", p, v.float()) / denom.transpose(1, 2)
     lse = (m + torch.log(denom))[..., 0].transpose(1, 2)  # [B, T, H]
@@ -99,7 +102,7 @@ class TorchMHA(MHAPass):
     """The twin as a pass (the CPU's, and the reference)."""
 
     def score_bytes(self, device: torch.device) -> int:
-        return 8  # fp32 scores and their exponentials
+        return 8  # the fp32 scores and their exponentials (`mha_attention`)
 
     def __call__(self, q: Tensor, k_nope: Tensor, k_pe: Tensor, v: Tensor, scale: float,
                  causal: bool, prev_o: Tensor | None = None, prev_lse: Tensor | None = None

@@ -1,10 +1,10 @@
 """Prefill attention in the MHA form (`ops.prefill`): the Triton pass (`ops.prefill_triton`)
 against its torch twin under Triton's interpreter, at several prefix and chunk lengths (chunk
 ends on and off page boundaries, prefixes cut into several up-projected chunks); the whole
-chunk attention against one dense softmax over every key; the custom op's fake kernel and
-FLOPs; the kernel's sm_90a compile (`wgmma`, no spills); flashinfer's ragged pass's glue on a
-stand-in flashinfer; the router's 16-bit path against transformers'; and the engine's chunked
-prefill through the interpreted kernel.
+chunk attention against one dense softmax over every key; the twin's live bytes against its
+`score_bytes`; the custom op's fake kernel and FLOPs; the kernel's sm_90a compile (`wgmma`, no
+spills); flashinfer's ragged pass's glue on a stand-in flashinfer; the router's 16-bit path
+against transformers'; and the engine's chunked prefill through the interpreted kernel.
 
 Tolerances: fp32 `rtol=1e-5, atol=2e-5` (summation order only); bf16 (bf16 dot inputs and
 probabilities in the kernel, fp32 math in the twin) `rtol=atol=1e-2`.
@@ -193,6 +193,26 @@ def test_prefix_chunks_are_bounded():
     assert prefix_chunk(1, 4096, 8, 256, 576, 2, 8) == 192
     assert prefix_chunk(1, 1, 1, 1, 1, 4, 0, budget=10) == 64  # at least one key tile
     assert prefix_chunk(3, 100, 4, 32, 48, 4, 8) % 64 == 0
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_the_twin_holds_what_its_score_bytes_say(causal):
+    """Live device bytes of one twin pass (counted on the meta device by the rehearsal's
+    `DeviceMode`) stay within `score_bytes` per query, key and head, plus the causal mask's
+    byte per (query, key) and the rows' own tensors."""
+    from graphs.rehearse import DeviceMode
+
+    B, T, H, dn, dp, dv = 1, 512, 4, 16, 8, 16
+    N = T if causal else 2 * T
+    q, k_nope, k_pe, v = (torch.empty(*shape, dtype=torch.bfloat16, device="meta") for shape in
+                          ((B, T, H, dn + dp), (B, N, H, dn), (B, N, dp), (B, N, H, dv)))
+    mode = DeviceMode()
+    with mode.phase() as t:
+        mha_attention(q, k_nope, k_pe, v, 0.1, causal)
+    pairs = B * H * T * N
+    rows = 4 * (B * T * H * (dn + dp) + B * N * H * (dn + dp + dv)) * 2  # fp32 copies, outputs
+    assert pairs * TORCH_MHA.score_bytes(q.device) <= t.activation_bytes
+    assert t.activation_bytes <= pairs * TORCH_MHA.score_bytes(q.device) + T * N + rows
 
 
 def test_op_fake_shapes_and_flops():
